@@ -1,0 +1,495 @@
+"""Which cards this process uses, and which physical card each torch device is.
+
+- `prepare_environment()` runs before anything can start CUDA (job/__main__.py): it exports
+  `CUDA_DEVICE_ORDER=PCI_BUS_ID` (so CUDA's indices follow the PCI bus, as NVML's do, and as
+  `nvidia-smi` prints them) and validates `CUDA_VISIBLE_DEVICES`: indices, `GPU-` UUIDs (full or a
+  unique prefix) and `MIG-` ids. Bad entries are a `UsageError` naming the entry and the valid cards.
+  Without NVML (no driver) only the syntax and duplicates can be checked.
+- `visible_cards()` maps every torch CUDA device to its card by UUID (torch's device properties <->
+  `nvmlDeviceGetUUID`), never by assuming that torch index i is NVML index i: under
+  `CUDA_VISIBLE_DEVICES=1` torch's device 0 is NVML's card 1.
+- `card_memory()` reads one card's used/total bytes from NVML and never raises.
+
+NVML is reached only through the `nvml` argument (a module shaped like `pynvml`, already
+initialised) or, when that is None, through `pynvml` imported and initialised lazily once per
+process. Nothing here touches CUDA or NVML at import time. `FakeNvml` at the bottom is the
+pynvml-shaped stand-in the tests and the scrape benchmark use (no GPU on CI machines).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from collections.abc import MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from job.errors import UsageError
+
+log = logging.getLogger("job.devices")
+
+ORDER_VAR, VISIBLE_VAR = "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES"
+# Values that mean "no GPU at all": empty, CUDA's customary -1, and what Slurm writes when a job
+# got no GPU gres.
+NO_DEVICES = ("", "-1", "NoDevFiles")
+_INDEX = re.compile(r"^\d+$")
+_GPU_UUID = re.compile(r"^GPU-[0-9a-fA-F][0-9a-fA-F-]*$")
+_MIG_ID = re.compile(r"^MIG-(?:[0-9a-fA-F][0-9a-fA-F-]*|GPU-[0-9a-fA-F-]+/\d+/\d+)$")
+
+# CUDA_VISIBLE_DEVICES / CUDA_DEVICE_ORDER as prepare_environment left them; CUDA reads them once,
+# when it initialises, so a later change is silently ignored unless someone compares.
+_recorded: dict[str, str | None] | None = None
+
+
+# -- NVML access --------------------------------------------------------------------------------
+
+_nvml_lock = threading.Lock()
+_nvml_state: dict[str, Any] = {"module": None, "failed_at": None}
+_NVML_RETRY_S = 30.0
+
+
+def default_nvml():
+    """`pynvml`, initialised once per process; None when NVML cannot start (no driver, no library).
+
+    A failure is remembered for 30 s so that a scrape on a GPU-less machine does not retry the
+    library load every time.
+    """
+    with _nvml_lock:
+        if _nvml_state["module"] is not None:
+            return _nvml_state["module"]
+        failed_at = _nvml_state["failed_at"]
+        if failed_at is not None and time.monotonic() - failed_at < _NVML_RETRY_S:
+            return None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+        except Exception as e:  # ImportError, NVMLError_LibraryNotFound, DriverNotLoaded, ...
+            if failed_at is None:
+                log.debug("NVML unavailable: %s", e)
+            _nvml_state["failed_at"] = time.monotonic()
+            return None
+        _nvml_state["module"] = pynvml
+        return pynvml
+
+
+def _nvml(nvml):
+    return default_nvml() if nvml is None else nvml
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+@dataclass(frozen=True)
+class NvmlCard:
+    """One physical card (or one MIG instance of it) as NVML enumerates it."""
+
+    nvml_index: int
+    uuid: str
+    pci_bus_id: str
+    name: str
+    mig_uuids: tuple[str, ...] = ()
+
+
+def nvml_inventory(nvml) -> list[NvmlCard]:
+    """Every card NVML sees, in NVML's index order; MIG instances listed under their card.
+
+    Raises whatever NVML raises for the device count; a card whose identity cannot be read is
+    left out (logged), since nothing can be matched to it anyway.
+    """
+    cards = []
+    for i in range(nvml.nvmlDeviceGetCount()):
+        try:
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = _text(nvml.nvmlDeviceGetUUID(h))
+            pci = _text(nvml.nvmlDeviceGetPciInfo(h).busId)
+            name = _text(nvml.nvmlDeviceGetName(h))
+        except Exception as e:
+            log.warning("NVML cannot identify card %d (%s); it is left out", i, e)
+            continue
+        cards.append(NvmlCard(i, uuid, pci, name, _mig_uuids(nvml, h)))
+    return cards
+
+
+def _mig_uuids(nvml, handle) -> tuple[str, ...]:
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+        if not current:
+            return ()
+        out = []
+        for j in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+            try:
+                out.append(_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j))))
+            except Exception:  # empty slot: NVML_ERROR_NOT_FOUND
+                continue
+        return tuple(out)
+    except Exception:  # NOT_SUPPORTED on cards without MIG
+        return ()
+
+
+def _pci_key(bus_id: str) -> tuple[int, int, int, int]:
+    """Sort key for "00000000:3B:00.0" (CUDA's PCI_BUS_ID order: domain, bus, device, function)."""
+    m = re.match(r"^([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-9a-fA-F]+)$", bus_id.strip())
+    if not m:
+        return (1 << 32, 0, 0, 0)
+    return tuple(int(g, 16) for g in m.groups())  # type: ignore[return-value]
+
+
+def _describe(cards_in_cuda_order: list[NvmlCard]) -> str:
+    return ", ".join(f"{i}={c.uuid} ({c.pci_bus_id})" for i, c in enumerate(cards_in_cuda_order))
+
+
+# -- CUDA_VISIBLE_DEVICES -----------------------------------------------------------------------
+
+
+def parse_visible(value: str) -> list[str]:
+    """Split and syntax-check CUDA_VISIBLE_DEVICES; [] means no devices. Raises UsageError."""
+    if value.strip() in NO_DEVICES:
+        return []
+    entries = [e.strip() for e in value.split(",")]
+    seen: dict[str, str] = {}
+    for e in entries:
+        if not e:
+            raise UsageError(f"{VISIBLE_VAR}={value!r} has an empty entry; write a comma-separated list "
+                             "like 0,1 or GPU-<uuid>,GPU-<uuid>")
+        if not (_INDEX.match(e) or _GPU_UUID.match(e) or _MIG_ID.match(e)):
+            raise UsageError(f"{VISIBLE_VAR} entry `{e}` is not a card index, a GPU-<uuid> (or unique prefix) "
+                             "or a MIG-<uuid>; fix the variable")
+        key = str(int(e)) if _INDEX.match(e) else e.lower()
+        if key in seen:
+            raise UsageError(f"{VISIBLE_VAR}={value!r} names a card twice (`{seen[key]}` and `{e}`); "
+                             "list each card once")
+        seen[key] = e
+    return entries
+
+
+def resolve_visible(value: str, nvml) -> list[str]:
+    """The UUIDs (GPU- or MIG-) that CUDA_VISIBLE_DEVICES selects, in CUDA order, checked against NVML.
+
+    Indices count cards in PCI bus order (CUDA_DEVICE_ORDER=PCI_BUS_ID), which is not necessarily
+    NVML's enumeration order.
+    """
+    entries = parse_visible(value)
+    cards = sorted(nvml_inventory(nvml), key=lambda c: _pci_key(c.pci_bus_id))
+    valid = _describe(cards) if cards else "none"
+    migs = {m.lower(): m for c in cards for m in c.mig_uuids}
+    chosen: list[str] = []
+    origin: dict[str, str] = {}
+    for e in entries:
+        if _INDEX.match(e):
+            i = int(e)
+            if i >= len(cards):
+                raise UsageError(f"{VISIBLE_VAR} entry `{e}` is out of range: this machine has {len(cards)} "
+                                 f"card(s): {valid}")
+            uuid = cards[i].uuid
+        elif e.upper().startswith("GPU-"):
+            hits = [c.uuid for c in cards if c.uuid.lower().startswith(e.lower())]
+            if not hits:
+                raise UsageError(f"{VISIBLE_VAR} entry `{e}` matches no card; valid cards: {valid}")
+            if len(hits) > 1:
+                raise UsageError(f"{VISIBLE_VAR} entry `{e}` is an ambiguous prefix of {', '.join(hits)}; "
+                                 "give more of the UUID")
+            uuid = hits[0]
+        else:
+            uuid = migs.get(e.lower())
+            if uuid is None:
+                have = ", ".join(migs.values()) or "none (no card is in MIG mode)"
+                raise UsageError(f"{VISIBLE_VAR} entry `{e}` matches no MIG instance; MIG ids here: {have}")
+        if uuid in origin:
+            raise UsageError(f"{VISIBLE_VAR}={value!r} names card {uuid} twice (`{origin[uuid]}` and `{e}`); "
+                             "list each card once")
+        origin[uuid] = e
+        chosen.append(uuid)
+    return chosen
+
+
+def prepare_environment(environ: MutableMapping[str, str] = os.environ, *, nvml=None) -> None:
+    """Fix the device order and validate CUDA_VISIBLE_DEVICES before CUDA starts (UsageError if bad)."""
+    global _recorded
+    order = environ.get(ORDER_VAR)
+    if order != "PCI_BUS_ID":
+        if order is not None:
+            log.warning("%s=%s replaced by PCI_BUS_ID so that card indices match nvidia-smi and NVML",
+                        ORDER_VAR, order)
+        environ[ORDER_VAR] = "PCI_BUS_ID"
+    value = environ.get(VISIBLE_VAR)
+    if value is not None:
+        nv = _nvml(nvml)
+        if nv is None:
+            parse_visible(value)  # no driver: syntax and duplicates only
+        else:
+            try:
+                nvml_inventory(nv)
+            except Exception as e:  # NVML present but not answering: do what we can
+                log.warning("NVML cannot list cards (%s); checking %s syntax only", e, VISIBLE_VAR)
+                parse_visible(value)
+            else:
+                resolve_visible(value, nv)
+    if environ is os.environ:
+        _recorded = {ORDER_VAR: environ.get(ORDER_VAR), VISIBLE_VAR: environ.get(VISIBLE_VAR)}
+
+
+def assert_cuda_env_unchanged() -> None:
+    """UsageError if CUDA has started in this process and the variables it read have changed since."""
+    if _recorded is None or "torch" not in sys.modules:
+        return
+    import torch
+
+    if not torch.cuda.is_initialized():
+        return
+    for var in (VISIBLE_VAR, ORDER_VAR):
+        now = os.environ.get(var)
+        if now != _recorded[var]:
+            raise UsageError(
+                f"{var} changed from {_recorded[var]!r} to {now!r} after CUDA started in this process; "
+                "CUDA ignores the change: set it before the run starts (shell, job script or launcher)"
+            )
+
+
+# -- torch devices <-> cards --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Card:
+    """One torch CUDA device and the physical card (or MIG instance) behind it."""
+
+    torch_index: int
+    uuid: str
+    """GPU-... (or MIG-...), as NVML and DCGM print it."""
+    pci_bus_id: str
+    """00000000:3B:00.0, NVML's format (DCGM's pci_bus_id label)."""
+    nvml_index: int | None
+    """NVML's index of the card (of the parent card for a MIG instance); None without NVML."""
+    name: str
+
+
+def _torch_pci(props) -> str:
+    return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
+
+
+def _hex(uuid: str) -> str:
+    """The bare UUID, so that torch's "8a4f..." matches NVML's "GPU-8a4f..." and "MIG-8a4f..."."""
+    u = uuid.lower()
+    for prefix in ("gpu-", "mig-"):
+        if u.startswith(prefix):
+            return u[len(prefix):]
+    return u
+
+
+def visible_cards(*, nvml=None, cuda=None) -> list[Card]:
+    """One Card per torch CUDA device, in torch order, matched to NVML by UUID; [] without CUDA.
+
+    `cuda` defaults to `torch.cuda` (tests pass a stand-in: CUDA cannot run on CI machines).
+    """
+    if cuda is None:
+        import torch
+
+        cuda = torch.cuda
+    if not cuda.is_available():
+        return []
+    by_uuid: dict[str, tuple[NvmlCard, str]] = {}
+    nv = _nvml(nvml)
+    if nv is not None:
+        try:
+            for c in nvml_inventory(nv):
+                by_uuid[_hex(c.uuid)] = (c, c.uuid)
+                for m in c.mig_uuids:
+                    by_uuid[_hex(m)] = (c, m)
+        except Exception as e:
+            log.warning("NVML cannot list cards (%s); card identity comes from torch alone", e)
+    cards = []
+    for i in range(cuda.device_count()):
+        props = cuda.get_device_properties(i)
+        torch_uuid = _hex(str(props.uuid))
+        hit = by_uuid.get(torch_uuid)
+        if hit is None:
+            if by_uuid:
+                log.warning("torch device %d (GPU-%s) is not among NVML's cards", i, torch_uuid)
+            cards.append(Card(i, f"GPU-{torch_uuid}", _torch_pci(props), None, str(props.name)))
+        else:
+            nc, uuid = hit
+            cards.append(Card(i, uuid, nc.pci_bus_id, nc.nvml_index, str(props.name)))
+    return cards
+
+
+_handles: dict[tuple[int, str], Any] = {}
+
+
+def card_memory(card: Card, *, nvml=None) -> tuple[int, int] | None:
+    """(used, total) bytes of the card as NVML sees them (all processes); None if NVML cannot answer."""
+    try:
+        nv = _nvml(nvml)
+        if nv is None:
+            return None
+        key = (id(nv), card.uuid)
+        h = _handles.get(key)
+        if h is None:
+            h = _handles[key] = nv.nvmlDeviceGetHandleByUUID(card.uuid)
+        mem = nv.nvmlDeviceGetMemoryInfo(h)
+        return int(mem.used), int(mem.total)
+    except Exception:
+        return None
+
+
+# -- a pynvml-shaped fake for tests and the scrape benchmark -------------------------------------
+
+
+class FakeNvmlError(Exception):
+    """Stands in for pynvml.NVMLError."""
+
+
+@dataclass
+class FakeCard:
+    uuid: str
+    pci_bus_id: str
+    name: str = "NVIDIA H200"
+    total: int = 150_754_820_096
+    used: int = 0
+    util_percent: int = 0
+    migs: list[FakeCard] = field(default_factory=list)
+    fail: set[str] = field(default_factory=set)
+    """Names of NVML calls that fail for this card, e.g. {"nvmlDeviceGetMemoryInfo"}."""
+
+
+@dataclass
+class _Struct:
+    busId: str = ""
+    used: int = 0
+    total: int = 0
+    free: int = 0
+    gpu: int = 0
+    memory: int = 0
+
+
+class FakeNvml:
+    """The subset of pynvml this project calls, over a list of FakeCards in NVML index order.
+
+    A test pins that every method here exists in the real pynvml with the same parameters.
+    """
+
+    NVMLError = FakeNvmlError
+
+    def __init__(self, cards: list[FakeCard], *, init_error: bool = False):
+        self.cards = cards
+        self.init_error = init_error
+        self.initialised = 0
+        self.calls = 0
+
+    @staticmethod
+    def h200s(n: int, *, used: int = 0) -> FakeNvml:
+        """n H200-like cards on buses 0x18, 0x2A, ... (NVML order = PCI order)."""
+        buses = [0x18, 0x2A, 0x3A, 0x5D, 0x9A, 0xAB, 0xBA, 0xDB, 0x1B, 0x2B, 0x3B, 0x4B, 0x5B, 0x6B, 0x7B, 0x8B]
+        return FakeNvml([FakeCard(f"GPU-{i:08x}-1111-2222-3333-{i:012x}", f"00000000:{buses[i]:02X}:00.0",
+                                  used=used, util_percent=10 * i % 100) for i in range(n)])
+
+    def _check(self, name: str, card: FakeCard | None = None):
+        self.calls += 1
+        if self.initialised <= 0:
+            raise FakeNvmlError("Uninitialized")
+        if card is not None and name in card.fail:
+            raise FakeNvmlError(f"{name} failed (fake)")
+
+    def nvmlInit(self):
+        if self.init_error:
+            raise FakeNvmlError("Driver Not Loaded")
+        self.initialised += 1
+
+    def nvmlShutdown(self):
+        self._check("nvmlShutdown")
+        self.initialised -= 1
+
+    def nvmlDeviceGetCount(self):
+        self._check("nvmlDeviceGetCount")
+        return len(self.cards)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        self._check("nvmlDeviceGetHandleByIndex")
+        if not 0 <= index < len(self.cards):
+            raise FakeNvmlError("Invalid Argument")
+        card = self.cards[index]
+        self._check("nvmlDeviceGetHandleByIndex", card)
+        return card
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        self._check("nvmlDeviceGetHandleByUUID")
+        for c in self.cards:
+            for h in (c, *c.migs):
+                if h.uuid == _text(uuid):
+                    return h
+        raise FakeNvmlError("Not Found")
+
+    def nvmlDeviceGetUUID(self, handle):
+        self._check("nvmlDeviceGetUUID", handle)
+        return handle.uuid
+
+    def nvmlDeviceGetPciInfo(self, handle):
+        self._check("nvmlDeviceGetPciInfo", handle)
+        return _Struct(busId=handle.pci_bus_id)
+
+    def nvmlDeviceGetName(self, handle):
+        self._check("nvmlDeviceGetName", handle)
+        return handle.name
+
+    def nvmlDeviceGetMemoryInfo(self, handle, version=None):
+        self._check("nvmlDeviceGetMemoryInfo", handle)
+        return _Struct(used=handle.used, total=handle.total, free=handle.total - handle.used)
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        self._check("nvmlDeviceGetUtilizationRates", handle)
+        return _Struct(gpu=handle.util_percent, memory=0)
+
+    def nvmlDeviceGetMigMode(self, device):
+        self._check("nvmlDeviceGetMigMode", device)
+        return (1, 1) if device.migs else (0, 0)
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device):
+        self._check("nvmlDeviceGetMaxMigDeviceCount", device)
+        return 7 if device.migs else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device, index):
+        self._check("nvmlDeviceGetMigDeviceHandleByIndex", device)
+        if index >= len(device.migs):
+            raise FakeNvmlError("Not Found")
+        return device.migs[index]
+
+
+@dataclass
+class FakeCudaProps:
+    uuid: str
+    """Bare UUID, as str(torch.cuda.get_device_properties(i).uuid) prints it."""
+    pci_domain_id: int
+    pci_bus_id: int
+    pci_device_id: int
+    name: str = "NVIDIA H200"
+
+
+class FakeCuda:
+    """The three torch.cuda calls visible_cards makes, over FakeCudaProps in torch order."""
+
+    def __init__(self, props: list[FakeCudaProps]):
+        self.props = props
+
+    def is_available(self):
+        return bool(self.props)
+
+    def device_count(self):
+        return len(self.props)
+
+    def get_device_properties(self, i):
+        return self.props[i]
+
+    @staticmethod
+    def seeing(nvml: FakeNvml, uuids: list[str]) -> FakeCuda:
+        """What torch would see when CUDA exposes these cards (by uuid), in this order."""
+        cards = {h.uuid: (c, h) for c in nvml.cards for h in (c, *c.migs)}
+        out = []
+        for u in uuids:
+            parent, h = cards[u]
+            dom, bus, dev, _fn = _pci_key(parent.pci_bus_id)
+            out.append(FakeCudaProps(_hex(h.uuid), dom, bus, dev, h.name))
+        return FakeCuda(out)
