@@ -1,0 +1,376 @@
+"""`python -m job submit`: the trainer as a Slurm job through submitit, or a local job without Slurm.
+
+Layout. A multi-process strategy (ddp) runs one task per GPU (`submit.tasks_per_node` overrides) on
+`submit.nodes` nodes; each task joins the group from submitit's `TorchDistributedEnvironment`. A
+single-process strategy (dp, balanced) runs one task on one node that drives every granted card. The card
+list Slurm grants reaches the trainer as CUDA_VISIBLE_DEVICES, untouched.
+
+Validation happens before anything is submitted: our own range checks, submitit's own check of the sbatch
+parameters, then `sbatch --test-only` (the cluster's verdict on partition, account, QOS, GPUs, time).
+
+Preemption and time limits. sbatch asks for SIGUSR2 `submit.signal_delay_s` before the limit; submitit's
+preemption path sends SIGTERM + SIGUSR2. submitit installs its SIGUSR2 handler (checkpoint + requeue) before
+calling `TrainJob`, but the trainer installs its own while it trains, so the signal only sets a stop flag:
+every rank finishes the step it is in, rank 0 writes the checkpoint, and `train.run` returns 75 with
+submitit's handlers restored. Then, and only if SIGUSR2 was among the signals, rank 0 runs submitit's
+handler itself: `TrainJob.checkpoint` (bounded by `submit.max_requeues`), `scontrol requeue`, exit. The
+requeued job keeps its job id, so `train.run_id=slurm-<job id>` is stable and `train.resume=auto` continues
+from the checkpoint. A plain `scancel` (SIGTERM only) checkpoints and ends the job without a requeue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import submitit
+from submitit.helpers import Checkpointable
+
+from job.config import load, split_args
+from job.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+
+log = logging.getLogger("job")
+# sbatch lines for every job: device order before CUDA starts (DESIGN.md: Device identity).
+SETUP = ["export CUDA_DEVICE_ORDER=PCI_BUS_ID"]
+_NAME = re.compile(r"^[A-Za-z0-9_.+-]*$")
+_DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+                "BOOT_FAIL", "DEADLINE"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What will be asked of the scheduler, derived and checked once."""
+
+    executor: str  # slurm | local
+    nodes: int
+    tasks_per_node: int
+    multi_process: bool
+    folder: Path  # absolute; may contain %j
+
+
+def _multi_process(strategy: str) -> bool:
+    from job.strategies import REGISTRY
+
+    return bool(getattr(REGISTRY[strategy], "multi_process", False))
+
+
+def plan(cfg, *, script_only: bool = False) -> Plan:
+    """Check the submit section against the strategy; UsageError names the fix.
+
+    `script_only`: plan the sbatch script (executor slurm) whether or not Slurm is on this machine.
+    """
+    s = cfg.submit
+    for key in ("nodes", "timeout_min", "cpus_per_task"):
+        if s[key] < 1:
+            raise UsageError(f"`submit.{key}={s[key]}` must be at least 1")
+    for key in ("gpus_per_node", "tasks_per_node", "mem_gb", "max_requeues", "signal_delay_s"):
+        if s[key] < 0:
+            raise UsageError(f"`submit.{key}={s[key]}` must not be negative")
+    if s.signal_delay_s >= s.timeout_min * 60:
+        raise UsageError(
+            f"submit.signal_delay_s={s.signal_delay_s} leaves no run time in submit.timeout_min={s.timeout_min} "
+            f"(= {s.timeout_min * 60} s); lower the delay or raise the time limit"
+        )
+    for key in ("partition", "account", "qos"):
+        if not _NAME.match(s[key]):
+            raise UsageError(f"`submit.{key}={s[key]}` is not a Slurm name; use letters, digits and _.+-")
+    if not s.folder:
+        raise UsageError("submit.folder is empty; give a folder for submitit's pickles and logs")
+
+    multi = _multi_process(cfg.strategy.name)
+    if not multi:
+        if s.nodes > 1:
+            raise UsageError(
+                f"strategy={cfg.strategy.name} runs one process on one node, but submit.nodes={s.nodes}; "
+                "use submit.nodes=1 or strategy=ddp"
+            )
+        if s.tasks_per_node > 1:
+            raise UsageError(
+                f"strategy={cfg.strategy.name} runs one process, but submit.tasks_per_node={s.tasks_per_node}; "
+                "use submit.tasks_per_node=0 or strategy=ddp"
+            )
+    tasks = (s.tasks_per_node or max(1, s.gpus_per_node)) if multi else 1
+    if multi and s.gpus_per_node and tasks != s.gpus_per_node:
+        raise UsageError(
+            f"strategy={cfg.strategy.name} runs one process per GPU: submit.tasks_per_node={tasks} but "
+            f"submit.gpus_per_node={s.gpus_per_node}; set them equal (or tasks_per_node=0)"
+        )
+
+    executor = "slurm" if script_only else s.executor
+    if executor == "auto" or (executor == "slurm" and not script_only):
+        has_slurm = shutil.which("sbatch") is not None and shutil.which("srun") is not None
+        if executor == "auto":
+            executor = "slurm" if has_slurm else "local"
+        elif not has_slurm:
+            raise UsageError("submit.executor=slurm but sbatch/srun are not on PATH; install the Slurm client "
+                             "or use submit.executor=local")
+    if executor == "local" and s.nodes > 1:
+        raise UsageError(f"the local executor runs on this machine only, but submit.nodes={s.nodes}; "
+                         "use submit.nodes=1 or submit.executor=slurm")
+    return Plan(executor, s.nodes, tasks, multi, Path(s.folder).expanduser().absolute())
+
+
+def slurm_parameters(cfg, p: Plan) -> dict:
+    """submitit SlurmExecutor parameters (sbatch option names) for this config."""
+    s = cfg.submit
+    params: dict = {
+        "job_name": f"job-{cfg.strategy.name}-{cfg.workload.name}",
+        "time": s.timeout_min,
+        "nodes": p.nodes,
+        "ntasks_per_node": p.tasks_per_node,
+        "cpus_per_task": s.cpus_per_task,
+        "signal_delay_s": s.signal_delay_s,
+        "setup": list(SETUP),
+        # Requeue works even where the cluster's JobRequeue default is 0.
+        "additional_parameters": {"requeue": True},
+    }
+    if s.gpus_per_node:
+        params["gpus_per_node"] = s.gpus_per_node
+    if s.mem_gb:
+        params["mem"] = f"{s.mem_gb}GB"
+    for key in ("partition", "account", "qos"):
+        if s[key]:
+            params[key] = s[key]
+    return params
+
+
+def submitit_command(folder: Path | str, python: str | None = None) -> str:
+    """What each task runs: the same line submitit's executors build."""
+    python = shlex.quote(sys.executable) if python is None else python
+    return f"{python} -u -m submitit.core._submit {shlex.quote(str(folder))}"
+
+
+def sbatch_text(cfg, *, folder: Path | str | None = None, python: str | None = None) -> str:
+    """The sbatch script submitit will submit for `cfg` (what `submit.dry_run=true` prints)."""
+    from submitit.slurm.slurm import _make_sbatch_string  # submitit's own generator and check
+
+    p = plan(cfg, script_only=True)
+    folder = p.folder if folder is None else folder
+    try:
+        return _make_sbatch_string(command=submitit_command(folder, python), folder=folder,
+                                   **slurm_parameters(cfg, p))
+    except (ValueError, TypeError) as e:
+        raise UsageError(f"submitit rejects the Slurm parameters: {_first_line(e)}") from None
+
+
+def test_only(text: str) -> None:
+    """Slurm's verdict on the request without submitting it (`sbatch --test-only`); UsageError if refused."""
+    r = subprocess.run(["sbatch", "--test-only"], input=text, capture_output=True, text=True, timeout=60)
+    if r.returncode == 0:
+        return
+    lines = [ln.strip() for ln in (r.stderr or r.stdout).splitlines() if ln.strip()]
+    msg = lines[-1] if lines else f"sbatch --test-only exited {r.returncode}"
+    for prefix in ("sbatch: error: ", "sbatch: fatal: "):
+        msg = msg.removeprefix(prefix)
+    if any(k in " ".join(lines) for k in ("configuration source", "Unable to contact slurm controller")):
+        raise UsageError(f"no Slurm controller answers ({msg}); start one (make slurm-up, then export the "
+                         "SLURM_CONF it prints) or use submit.executor=local")
+    raise UsageError(f"Slurm refuses the job: {msg}; fix submit.* (partition, account, qos, gpus, time)")
+
+
+# -- the callable every task runs -------------------------------------------------------------------
+class TrainJob(Checkpointable):
+    """`python -m job train <argv>` inside a submitit task; requeued on SIGUSR2 from its checkpoint."""
+
+    def __init__(self, argv: list[str], *, run_id: str, multi_process: bool, max_requeues: int) -> None:
+        self.argv = list(argv)
+        self.run_id = run_id  # empty: slurm-<job id>, fixed at first start and kept across requeues
+        self.multi_process = multi_process
+        self.max_requeues = max_requeues
+        self.requeues = 0
+
+    def __call__(self) -> dict:
+        env = submitit.JobEnvironment()
+        if not self.run_id:
+            self.run_id = f"{env.cluster}-{env.job_id}"
+        if self.multi_process:
+            # Ranks from submitit; CUDA_VISIBLE_DEVICES stays as Slurm granted it (the trainer picks
+            # cuda:LOCAL_RANK among the visible cards).
+            submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+        _setup_logging(env.global_rank)
+        from job import devices, train
+
+        devices.prepare_environment()
+        cfg = load([*self.argv, f"train.run_id={self.run_id}"])
+        log.info("submitit %s: run %s, attempt %d", env, self.run_id, self.requeues + 1)
+        rc = train.run(cfg)
+        result = {"run_id": self.run_id, "run_dir": str(Path(cfg.train.run_dir) / self.run_id),
+                  "rank": env.global_rank, "exit_code": rc, "requeues": self.requeues}
+        if rc == EXIT_INTERRUPTED and _usr_sig() in _stop_signals(train):
+            self._requeue(env)  # rank 0: exits the process (or raises when out of requeues)
+        elif rc not in (EXIT_OK, EXIT_INTERRUPTED):
+            raise RuntimeError(f"trainer exited with code {rc} (run {self.run_id})")
+        return result
+
+    def _requeue(self, env) -> None:
+        if env.global_rank != 0:
+            # Rank 0 requeues the whole job; no result file from this rank, so nobody reads this attempt
+            # as the job's outcome. SystemExit is not caught by submitit's process_job.
+            log.info("stopped for requeue; rank 0 requeues the job")
+            sys.exit(EXIT_INTERRUPTED)
+        handler = signal.getsignal(_usr_sig())
+        if not callable(handler):  # not under submitit's handlers (should not happen): end as interrupted
+            log.warning("submitit's %s handler is not installed; not requeuing", submitit.JobEnvironment.USR_SIG)
+            return
+        # submitit's own path: has-timed-out bookkeeping, self.checkpoint(), scontrol requeue, exit.
+        handler(_usr_sig(), None)
+
+    def checkpoint(self, *args, **kwargs):
+        """submitit calls this on rank 0 before requeuing; the trainer's checkpoint is already on disk."""
+        if self.requeues >= self.max_requeues:
+            log.warning("not requeuing: submit.max_requeues=%d reached (resubmit with train.run_id=%s)",
+                        self.max_requeues, self.run_id)
+            return None  # submitit: "checkpoint function returned None" -> job ends, no requeue
+        self.requeues += 1
+        return super().checkpoint(*args, **kwargs)
+
+
+def _usr_sig() -> int:
+    return submitit.JobEnvironment._usr_sig()
+
+
+def _stop_signals(train) -> set[int]:
+    if hasattr(train, "stop_signals"):
+        return set(train.stop_signals())
+    sig = train.stop_signal() if hasattr(train, "stop_signal") else _usr_sig()
+    return {sig} if sig is not None else set()
+
+
+def _setup_logging(rank: int) -> None:
+    prefix = f"[rank{rank}] " if rank else ""
+    logging.basicConfig(level=logging.INFO, format=f"{prefix}%(message)s", stream=sys.stderr, force=True)
+
+
+# -- submitting -------------------------------------------------------------------------------------
+def job_argv(argv: list[str], cfg) -> list[str]:
+    """The command line the job re-loads: --config made absolute, run_dir absolute, submit.* dropped."""
+    config_file, overrides, _ = split_args(argv)
+    out = ["--config", str(config_file.absolute())] if config_file else []
+    out += [o for o in overrides if not o.startswith(("submit.", "train.run_dir=", "train.run_id="))]
+    out.append(f"train.run_dir={Path(cfg.train.run_dir).expanduser().absolute()}")
+    return out
+
+
+def make_executor(cfg, p: Plan):
+    s = cfg.submit
+    if p.executor == "slurm":
+        ex = submitit.SlurmExecutor(folder=p.folder, max_num_timeout=s.max_requeues)
+        try:
+            ex.update_parameters(**slurm_parameters(cfg, p))
+        except ValueError as e:
+            raise UsageError(f"submitit rejects the Slurm parameters: {_first_line(e)}") from None
+        return ex
+    ex = submitit.LocalExecutor(folder=p.folder, max_num_timeout=s.max_requeues)
+    # LocalExecutor rewrites CUDA_VISIBLE_DEVICES to 0..gpus-1; put back what the caller sees.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    restore = f"export CUDA_VISIBLE_DEVICES={shlex.quote(visible)}" if visible is not None else \
+        "unset CUDA_VISIBLE_DEVICES"
+    ex.update_parameters(timeout_min=s.timeout_min, tasks_per_node=p.tasks_per_node,
+                         gpus_per_node=s.gpus_per_node, signal_delay_s=s.signal_delay_s,
+                         setup=[*SETUP, restore])
+    return ex
+
+
+def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(__doc__)
+        return EXIT_OK
+    cfg = load(argv)
+    if cfg.submit.dry_run:
+        text = sbatch_text(cfg)
+        print(text)
+        if shutil.which("sbatch") and cfg.submit.executor != "local":
+            test_only(text)
+            print("# sbatch --test-only: accepted", file=sys.stderr)
+        return EXIT_OK
+    p = plan(cfg)
+    ex = make_executor(cfg, p)
+    if p.executor == "slurm":
+        test_only(sbatch_text(cfg))
+    fn = TrainJob(job_argv(argv, cfg), run_id=cfg.train.run_id, multi_process=p.multi_process,
+                  max_requeues=cfg.submit.max_requeues)
+    try:
+        job = ex.submit(fn)
+    except submitit.core.utils.FailedJobError as e:
+        raise UsageError(f"submission failed: {_first_line(e)}") from None
+    run_id = cfg.train.run_id or f"{p.executor}-{job.job_id}"
+    run_dir = Path(cfg.train.run_dir).expanduser().absolute() / run_id
+    print(f"submitted {p.executor} job {job.job_id}: {cfg.strategy.name}/{cfg.workload.name}, "
+          f"{p.nodes} node(s) x {p.tasks_per_node} task(s), {cfg.submit.gpus_per_node} GPU(s)/node")
+    print(f"  run:    {run_dir}")
+    print(f"  log:    {job.paths.stdout}")
+    print(f"  errors: {job.paths.stderr}")
+    print(f"  follow: tail -F {shlex.quote(str(job.paths.stderr))}")
+    if p.executor == "slurm":
+        print(f"  state:  squeue -j {job.job_id}    cancel: scancel {job.job_id}")
+    if not cfg.submit.wait:
+        return EXIT_OK
+    return follow(job, p.executor)
+
+
+def follow(job, executor: str, *, poll_s: float = 2.0, out=sys.stdout) -> int:
+    """Print rank 0's log as it grows until the job ends; 0 done, 75 stopped, 1 failed."""
+    offsets = {job.paths.stderr: 0, job.paths.stdout: 0}
+    gone_since = None
+    while True:
+        _print_new(offsets, out)
+        if job.done():
+            break
+        if executor == "slurm":
+            state = slurm_state(job.job_id)
+            if state in _DONE_STATES or state == "":
+                # Ended without a result file (killed, node failure): give the file system a moment.
+                gone_since = gone_since or time.monotonic()
+                if time.monotonic() - gone_since > 15:
+                    break
+            else:
+                gone_since = None
+        time.sleep(poll_s)
+    _print_new(offsets, out)
+    try:
+        results = job.results()
+    except Exception as e:  # the job's exception, or no result at all
+        print(f"job {job.job_id} failed: {_first_line(e)}", file=sys.stderr)
+        return 1
+    codes = [r.get("exit_code", 1) if isinstance(r, dict) else 1 for r in results]
+    worst = max(codes)
+    print(f"job {job.job_id} finished: exit {worst} (run {results[0].get('run_dir')})", file=out)
+    return worst if worst in (EXIT_OK, EXIT_INTERRUPTED) else 1
+
+
+def slurm_state(job_id: str) -> str:
+    """squeue's state for a job (works without slurmdbd while the controller remembers the job)."""
+    r = subprocess.run(["squeue", "-h", "-j", str(job_id), "-t", "all", "-o", "%T"],
+                       capture_output=True, text=True, timeout=60)
+    return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else ""
+
+
+def _print_new(offsets: dict, out) -> None:
+    for path, pos in offsets.items():
+        try:
+            with open(path, encoding="utf-8", errors="replace") as f:
+                f.seek(pos)
+                chunk = f.read()
+                offsets[path] = f.tell()
+        except FileNotFoundError:
+            continue
+        if chunk:
+            out.write(chunk)
+            out.flush()
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return lines[0] if lines else type(e).__name__
+
+
+__all__ = ["EXIT_USAGE", "Plan", "TrainJob", "main", "plan", "sbatch_text", "slurm_parameters"]
