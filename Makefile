@@ -1,0 +1,37 @@
+# The Makefile mirrors CI: `make test` is exactly what .ci/run runs after installing system packages.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STRATEGY ?=
+ARGS ?=
+TORCH_PIN := torch==2.14.1 torchvision==0.29.1
+
+.DEFAULT_GOAL := help
+.PHONY: help setup run test lint
+
+help: ## List the targets
+	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sort -u | \
+	  awk 'BEGIN {FS = ":.*## "}; {printf "  make %-14s %s\n", $$1, $$2}'
+	@echo "  variables: STRATEGY=<dp|balanced|ddp|accum> ARGS='key=value ...'"
+
+$(VENV)/.stamp-setup: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.stamp-setup ## Create .venv with torch and the project (idempotent)
+
+run: setup ## Train a short local run on the embedded default and print the per-card table
+	$(PY) -m job train $(if $(STRATEGY),strategy=$(STRATEGY)) $(ARGS)
+
+test: setup ## Run the whole test suite (what CI runs); fails if no test ran
+	$(PY) -m pytest $(ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc
+
+lint: setup ## ruff check
+	$(PY) -m ruff check job tests
+
+-include $(wildcard mk/*.mk)

@@ -1,0 +1,1 @@
+"""Multi-GPU training job template (python -m job)."""

@@ -1,0 +1,76 @@
+"""`python -m job train|bench|export|submit [--config FILE] [key=value ...]`: dispatch only."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from job.errors import EXIT_USAGE, UsageError
+
+COMMANDS = ("train", "bench", "export", "submit")
+USAGE = "usage: python -m job {train|bench|export|submit} [--config FILE] [key=value ...]  (--help lists keys)"
+
+
+def _setup_logging() -> None:
+    rank = os.environ.get("RANK")
+    prefix = f"[rank{rank}] " if rank not in (None, "0") else ""
+    logging.basicConfig(level=logging.INFO, format=f"{prefix}%(message)s", stream=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else EXIT_USAGE
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command `{command}`; {USAGE}", file=sys.stderr)
+        return EXIT_USAGE
+    _setup_logging()
+    try:
+        # Before anything can start CUDA: device order and CUDA_VISIBLE_DEVICES are fixed here.
+        from job import devices
+
+        devices.prepare_environment()
+        if command == "export":
+            from job.telemetry import export_main
+
+            return export_main(rest)
+        if command == "submit":
+            from job.submit import main as submit_main
+
+            return submit_main(rest)
+        from job import config
+
+        if "-h" in rest or "--help" in rest:
+            print(config.help_text())
+            return 0
+        cfg = config.load(rest)
+        if command == "bench":
+            from job.bench import run as bench_run
+
+            return bench_run(cfg)
+        from job.train import run
+
+        return run(cfg)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except _oom_type() as e:
+        first = str(e).splitlines()[0] if str(e) else "out of memory"
+        print(f"error: {first}; lower train.batch_size, or try train.amp=bf16, "
+              "train.activation_checkpointing=true or strategy=ddp", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _oom_type():
+    if "torch" in sys.modules:
+        import torch
+
+        return torch.OutOfMemoryError
+    return ()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,445 @@
+"""The typed config: schema, presets, loading and validation in one place.
+
+Precedence (lowest first): schema defaults < conf/base.yaml < conf/strategy/<name>.yaml <
+conf/workload/<name>.yaml < --config FILE < key=value overrides on the command line.
+
+`strategy=<name>` and `workload=<name>` on the command line (or as plain strings at the top of a
+--config file) pick a preset; `strategy.name=...` and `workload.name=...` set the field without
+loading a preset. Everything else is an OmegaConf dotlist override, checked against the schema.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from job.errors import UsageError
+
+CONF_DIR = Path(__file__).parent / "conf"
+
+
+@dataclass
+class StrategyCfg:
+    name: str = "ddp"
+    """Registered strategy: dp | balanced | ddp (`python -m job train --help` lists them)."""
+    gpu0_batch: str = "auto"
+    """balanced: GPU 0's share of each batch: an int (samples, 0 = GPU 0 only coordinates), a
+    fraction in (0, 1), or auto (calibrated from measured per-card peaks)."""
+    calibration_steps: int = 3
+    """balanced/auto: steps measured per candidate split before choosing."""
+    nprocs: int = 0
+    """ddp: processes to start when launched as a plain command (0 = one per visible GPU, 1 on CPU)."""
+    backend: str = "auto"
+    """ddp: process-group backend: auto (nccl on GPUs, gloo on CPU) | nccl | gloo."""
+    find_unused_parameters: bool = False
+    """ddp: let DDP tolerate parameters that get no gradient (slower)."""
+
+
+@dataclass
+class WorkloadCfg:
+    name: str = "tiny"
+    """tiny (small CNN, CPU-friendly) | resnet50 (torchvision, ImageNet shapes) | lm (decoder LM)."""
+    image_size: int = 32
+    """tiny/resnet50: square input side in pixels."""
+    num_classes: int = 10
+    """tiny/resnet50: classifier outputs."""
+    width: int = 32
+    """tiny: channels of the first conv layer."""
+    layers: int = 6
+    """lm: transformer blocks."""
+    d_model: int = 768
+    """lm: hidden size."""
+    heads: int = 12
+    """lm: attention heads (must divide d_model)."""
+    vocab: int = 50304
+    """lm: vocabulary size (the logits tensor is batch x seq x vocab: the DataParallel pile-up)."""
+    seq_len: int = 1024
+    """lm: tokens per sample."""
+    dropout: float = 0.0
+    """lm: dropout probability."""
+
+
+@dataclass
+class TrainCfg:
+    steps: int = 200
+    """Optimizer steps to run in total (a resumed run continues up to this count)."""
+    batch_size: int = 64
+    """Global batch per optimizer step, over all cards and micro-steps."""
+    accum_steps: int = 1
+    """Micro-batches accumulated per optimizer step (DDP all-reduces only on the last)."""
+    optimizer: str = "sgd"
+    """sgd | adamw."""
+    lr: float = 0.05
+    """Learning rate (constant after warmup_steps of linear warm-up)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up steps."""
+    momentum: float = 0.9
+    """sgd momentum."""
+    weight_decay: float = 0.0
+    """Weight decay (decoupled for adamw)."""
+    amp: str = "off"
+    """Mixed precision: off | bf16 | fp16 (fp16 uses a GradScaler)."""
+    activation_checkpointing: bool = False
+    """Recompute block activations in backward instead of storing them."""
+    channels_last: bool = False
+    """Image workloads: NHWC memory format for model and inputs."""
+    compile: bool = False
+    """torch.compile the model before the strategy wraps it."""
+    cudnn_benchmark: bool = True
+    """Let cuDNN autotune convolutions (dp/balanced turn it off: see their log line)."""
+    seed: int = 0
+    """Seed for weights and synthetic data."""
+    device: str = "auto"
+    """auto (all visible GPUs, else CPU) | cuda | cpu."""
+    run_dir: str = "runs"
+    """Parent folder of run directories."""
+    run_id: str = ""
+    """Run directory name under run_dir; empty: a new timestamped id. Reuse an id to resume."""
+    resume: str = "auto"
+    """auto (latest checkpoint of this run id, if any) | never | path to a checkpoint file."""
+    checkpoint_every: int = 100
+    """Write a checkpoint every N steps (0: only at the end and on interruption)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept in the run directory (oldest deleted first; at least 1)."""
+    log_every: int = 20
+    """Print a progress line every N steps."""
+
+
+@dataclass
+class DataCfg:
+    kind: str = "synthetic"
+    """synthetic (deterministic random data, resident on the device) | imagefolder."""
+    path: str = ""
+    """imagefolder: root folder with one sub-folder per class."""
+    workers: int = 0
+    """imagefolder: DataLoader worker processes."""
+    prefetch: bool = False
+    """Copy the next batch to the GPU on a side CUDA stream while the current one computes."""
+    synthetic_pool: int = 64
+    """synthetic: distinct samples generated once and cycled."""
+
+
+@dataclass
+class TelemetryCfg:
+    port: int = 0
+    """Serve /metrics and /health on this port while training (0: off)."""
+    host: str = "127.0.0.1"
+    """Address the metrics server binds to."""
+    log_every: int = 0
+    """Log the per-card memory line every N steps (0: use train.log_every)."""
+    peer_dir: str = ""
+    """Where the other local ranks register their loopback endpoints for local rank 0's merged
+    /metrics (empty: $TMPDIR/trainjob-telemetry-<port>; must be shared by the ranks of a node)."""
+
+
+@dataclass
+class SubmitCfg:
+    executor: str = "auto"
+    """auto (slurm when sbatch exists, else local) | slurm | local."""
+    nodes: int = 1
+    """Slurm nodes (more than 1 needs a multi-process strategy: ddp)."""
+    gpus_per_node: int = 2
+    """GPUs requested per node (--gpus-per-node; 0: a CPU-only job)."""
+    tasks_per_node: int = 0
+    """Processes per node; 0: one per GPU for ddp (at least 1), always 1 for dp/balanced."""
+    partition: str = ""
+    """Slurm partition (empty: the cluster default)."""
+    account: str = ""
+    """Slurm account (empty: none)."""
+    qos: str = ""
+    """Slurm QOS (empty: none)."""
+    timeout_min: int = 60
+    """Wall-clock limit in minutes."""
+    cpus_per_task: int = 2
+    """CPUs per task."""
+    mem_gb: int = 0
+    """Memory per node in GB (0: the cluster default)."""
+    signal_delay_s: int = 120
+    """SIGUSR2 this many seconds before the time limit: checkpoint, then requeue."""
+    max_requeues: int = 3
+    """Times a preempted or timed-out job is requeued before it ends as failed."""
+    folder: str = "runs/submitit/%j"
+    """Where submitit writes the job pickles, sbatch script and logs (%j is the job id)."""
+    wait: bool = False
+    """Follow the job's log and exit with its result (0 done, 75 stopped, 1 failed)."""
+    dry_run: bool = False
+    """Print the sbatch script (and Slurm's --test-only verdict when Slurm is here); submit nothing."""
+
+
+@dataclass
+class BenchCfg:
+    strategies: list[str] = field(default_factory=lambda: ["dp", "balanced", "ddp"])
+    """Strategies to compare, each in a fresh process (a 1-GPU baseline is added)."""
+    steps: int = 30
+    """Timed steps per strategy."""
+    warmup: int = 5
+    """Untimed steps before timing."""
+    out: str = ""
+    """Output folder (empty: runs/bench-<timestamp>)."""
+
+
+@dataclass
+class Config:
+    strategy: StrategyCfg = field(default_factory=StrategyCfg)
+    workload: WorkloadCfg = field(default_factory=WorkloadCfg)
+    train: TrainCfg = field(default_factory=TrainCfg)
+    data: DataCfg = field(default_factory=DataCfg)
+    telemetry: TelemetryCfg = field(default_factory=TelemetryCfg)
+    submit: SubmitCfg = field(default_factory=SubmitCfg)
+    bench: BenchCfg = field(default_factory=BenchCfg)
+
+
+CHOICES = {
+    "train.optimizer": ("sgd", "adamw"),
+    "train.amp": ("off", "bf16", "fp16"),
+    "train.device": ("auto", "cuda", "cpu"),
+    "data.kind": ("synthetic", "imagefolder"),
+    "strategy.backend": ("auto", "nccl", "gloo"),
+    "submit.executor": ("auto", "slurm", "local"),
+}
+# A top-level key some commands accept as shorthand for a nested one.
+ALIASES = {"strategies": "bench.strategies"}
+
+
+def preset_names(kind: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / kind).glob("*.yaml"))
+
+
+def _strategy_names() -> list[str]:
+    from job.strategies import REGISTRY  # lazy: keeps config import light
+
+    return sorted(REGISTRY)
+
+
+def _workload_names() -> list[str]:
+    from job.models import WORKLOADS
+
+    return sorted(WORKLOADS)
+
+
+def _suggest(key: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(key, candidates, n=1, cutoff=0.6)
+    return f"did you mean `{close[0]}`?" if close else f"valid keys: {', '.join(candidates)}"
+
+
+def all_keys(node: Any = None, prefix: str = "") -> list[str]:
+    """Every leaf key of the schema, dotted."""
+    from omegaconf import OmegaConf
+
+    if node is None:
+        node = OmegaConf.structured(Config)
+    keys = []
+    for k in node.keys():
+        child = node[k]
+        dotted = f"{prefix}{k}"
+        if OmegaConf.is_dict(child):
+            keys += all_keys(child, dotted + ".")
+        else:
+            keys.append(dotted)
+    return keys
+
+
+def _read_yaml(path: Path, what: str):
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    if not path.is_file():
+        raise UsageError(f"{what} {path} does not exist; pass an existing YAML file")
+    try:
+        node = OmegaConf.load(path)
+    except (OmegaConfBaseException, ValueError, OSError) as e:  # yaml errors subclass ValueError here
+        raise UsageError(f"{what} {path} is not valid YAML ({_first_line(e)}); fix the file") from None
+    except Exception as e:  # yaml.YAMLError
+        raise UsageError(f"{what} {path} is not valid YAML ({_first_line(e)}); fix the file") from None
+    if not OmegaConf.is_dict(node):
+        raise UsageError(f"{what} {path} must hold a mapping of config sections, not a list or scalar")
+    return node
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _merge(base, other, source: str):
+    """Merge `other` into the structured `base`, turning OmegaConf's errors into one clear line."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    try:
+        return OmegaConf.merge(base, other)
+    except ConfigKeyError as e:
+        key = e.full_key or e.key or "?"
+        raise UsageError(f"unknown key `{key}` in {source}; {_suggest(str(key), all_keys())}") from None
+    except ValidationError as e:
+        key = e.full_key or e.key or "?"
+        expected = type(OmegaConf.select(base, str(key))).__name__ if OmegaConf.select(base, str(key)) is not None else "?"
+        raise UsageError(
+            f"`{key}` in {source} has the wrong type ({_first_line(e)}); give a value of type {expected}"
+        ) from None
+    except OmegaConfBaseException as e:
+        raise UsageError(f"cannot apply {source}: {_first_line(e)}") from None
+
+
+def split_args(argv: list[str]) -> tuple[Path | None, list[str], bool]:
+    """--config FILE, key=value overrides, and whether --help was asked for."""
+    config_file, overrides, want_help = None, [], False
+    it = iter(argv)
+    for arg in it:
+        if arg in ("-h", "--help"):
+            want_help = True
+        elif arg == "--config":
+            nxt = next(it, None)
+            if nxt is None:
+                raise UsageError("--config needs a file: --config my.yaml")
+            config_file = Path(nxt)
+        elif arg.startswith("--config="):
+            config_file = Path(arg.split("=", 1)[1])
+        elif "=" in arg and not arg.startswith("-"):
+            overrides.append(arg)
+        else:
+            raise UsageError(f"unexpected argument `{arg}`; give --config FILE and key=value overrides")
+    return config_file, overrides, want_help
+
+
+def load(argv: list[str]):
+    """Build, merge and validate the config for one command invocation (argv after the command)."""
+    from omegaconf import OmegaConf
+
+    config_file, overrides, _ = split_args(argv)
+
+    picks: dict[str, str] = {}
+    dotlist = []
+    for item in overrides:
+        key, value = item.split("=", 1)
+        key = ALIASES.get(key, key)
+        if key in ("strategy", "workload"):
+            picks[key] = value
+        else:
+            dotlist.append(f"{key}={value}")
+
+    user_file = _read_yaml(config_file, "--config file") if config_file else OmegaConf.create({})
+    for kind in ("strategy", "workload"):  # a plain string at the top of the file picks a preset too
+        if isinstance(user_file.get(kind), str):
+            picks.setdefault(kind, user_file[kind])
+            user_file.pop(kind)
+
+    cfg = OmegaConf.structured(Config)
+    cfg = _merge(cfg, _read_yaml(CONF_DIR / "base.yaml", "preset"), "conf/base.yaml")
+    for kind, names in (("strategy", preset_names("strategy")), ("workload", preset_names("workload"))):
+        name = picks.get(kind, cfg[kind].name)
+        if name not in names:
+            raise UsageError(f"unknown {kind} `{name}`; choose one of: {', '.join(names)}")
+        cfg = _merge(cfg, _read_yaml(CONF_DIR / kind / f"{name}.yaml", "preset"), f"conf/{kind}/{name}.yaml")
+    cfg = _merge(cfg, user_file, f"--config {config_file}")
+    try:
+        cli = OmegaConf.from_dotlist(dotlist)
+    except Exception as e:
+        raise UsageError(f"cannot parse overrides {dotlist}: {_first_line(e)}; write key=value") from None
+    cfg = _merge(cfg, cli, "command line")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg) -> None:
+    """Checks that need more than the schema's types; each failure names the fix."""
+    from omegaconf import OmegaConf
+
+    for key, choices in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in choices:
+            raise UsageError(f"`{key}={value}` is not valid; choose one of: {', '.join(choices)}")
+    if cfg.strategy.name not in _strategy_names():
+        raise UsageError(
+            f"unknown strategy `{cfg.strategy.name}`; choose one of: {', '.join(_strategy_names())}"
+        )
+    if cfg.workload.name not in _workload_names():
+        raise UsageError(
+            f"unknown workload `{cfg.workload.name}`; choose one of: {', '.join(_workload_names())}"
+        )
+    t = cfg.train
+    positive = {
+        "train.steps": t.steps, "train.batch_size": t.batch_size, "train.accum_steps": t.accum_steps,
+        "train.log_every": t.log_every, "train.keep_checkpoints": t.keep_checkpoints,
+        "data.synthetic_pool": cfg.data.synthetic_pool,
+    }
+    for key, value in positive.items():
+        if value < 1:
+            raise UsageError(f"`{key}={value}` must be at least 1")
+    for key, value in {"train.checkpoint_every": t.checkpoint_every, "train.warmup_steps": t.warmup_steps,
+                       "strategy.nprocs": cfg.strategy.nprocs, "data.workers": cfg.data.workers,
+                       "telemetry.log_every": cfg.telemetry.log_every}.items():
+        if value < 0:
+            raise UsageError(f"`{key}={value}` must not be negative")
+    if not 0 <= cfg.telemetry.port <= 65535:
+        raise UsageError(f"`telemetry.port={cfg.telemetry.port}` is not a TCP port; use 1-65535, or 0 for off")
+    if t.batch_size % t.accum_steps:
+        raise UsageError(
+            f"global batch {t.batch_size} is not a multiple of train.accum_steps={t.accum_steps}; "
+            f"use a batch size of {t.accum_steps}·k"
+        )
+    w = cfg.workload
+    if w.name == "lm" and w.d_model % w.heads:
+        raise UsageError(f"workload.d_model={w.d_model} is not a multiple of workload.heads={w.heads}")
+    if cfg.data.kind == "imagefolder":
+        if w.name == "lm":
+            raise UsageError("data.kind=imagefolder feeds images; use workload=tiny or workload=resnet50")
+        if not cfg.data.path or not Path(cfg.data.path).is_dir():
+            raise UsageError(
+                f"data.path `{cfg.data.path}` is not a folder; point data.path at an ImageFolder root "
+                "(one sub-folder per class)"
+            )
+    if t.run_id and (os.sep in t.run_id or t.run_id in (".", "..")):
+        raise UsageError(f"train.run_id `{t.run_id}` must be a plain name, not a path")
+
+
+def help_text() -> str:
+    """`python -m job train --help`: every key, its default and its doc line."""
+    import ast
+    import inspect
+
+    docs: dict[str, str] = {}
+    tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["x"])))
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name.endswith("Cfg"):
+            body = node.body
+            for i, stmt in enumerate(body):
+                if isinstance(stmt, ast.AnnAssign) and i + 1 < len(body):
+                    nxt = body[i + 1]
+                    if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
+                        docs[f"{node.name}.{stmt.target.id}"] = " ".join(str(nxt.value.value).split())
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.structured(Config)
+    sections = {f.name: f.type for f in Config.__dataclass_fields__.values()}
+    lines = [
+        "usage: python -m job train|bench|export|submit [--config FILE] [key=value ...]",
+        "",
+        f"presets: strategy=<{'|'.join(preset_names('strategy'))}>  workload=<{'|'.join(preset_names('workload'))}>",
+        "precedence: schema defaults < conf/base.yaml < strategy preset < workload preset < --config < key=value",
+        "",
+    ]
+    for section, cls in sections.items():
+        cls_name = cls if isinstance(cls, str) else cls.__name__
+        lines.append(f"{section}:")
+        for key in base[section].keys():
+            default = OmegaConf.to_container(base[section])[key]
+            lines.append(f"  {section}.{key}={default}")
+            doc = docs.get(f"{cls_name}.{key}")
+            if doc:
+                lines.append(f"      {doc}")
+    return "\n".join(lines)
+
+
+def summary(cfg) -> dict[str, str]:
+    """The few fields that identify a run (the info metric, the table header)."""
+    return {
+        "strategy": cfg.strategy.name,
+        "workload": cfg.workload.name,
+        "batch_size": str(cfg.train.batch_size),
+        "accum_steps": str(cfg.train.accum_steps),
+        "amp": cfg.train.amp,
+    }

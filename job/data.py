@@ -1,0 +1,158 @@
+"""Batches: deterministic by position, so a resumed or re-split run sees exactly the same samples.
+
+A run consumes "global micro-batches" 0, 1, 2, ...: micro-batch g holds global sample ids
+g*B .. g*B+B-1 (B = train.batch_size / train.accum_steps). A process that trains a slice of it (a DDP
+rank) takes its contiguous share of those ids. The data position saved in a checkpoint is just g.
+
+- synthetic: a pool of `data.synthetic_pool` random samples made once from the seed, kept on the
+  device, and indexed by sample id; no host work per step, so it never limits GPU throughput.
+- imagefolder: torchvision ImageFolder, a fresh seeded permutation per epoch, DataLoader workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from job.models import Workload
+
+
+def sample_ids(g: int, micro_batch: int, *, rank: int = 0, world: int = 1) -> range:
+    """Global sample ids of this process's share of global micro-batch g."""
+    local = micro_batch // world
+    start = g * micro_batch + rank * local
+    return range(start, start + local)
+
+
+class SyntheticData:
+    def __init__(self, spec: Workload, wcfg, *, pool: int, seed: int, device: torch.device):
+        gen = torch.Generator().manual_seed(seed + 7919)
+        shape = spec.sample_shape(wcfg)
+        if spec.is_image:
+            self.x = torch.randn((pool, *shape), generator=gen)
+            self.y = torch.randint(0, wcfg.num_classes, (pool,), generator=gen)
+        else:
+            tokens = torch.randint(0, wcfg.vocab, (pool, wcfg.seq_len + 1), generator=gen)
+            self.x, self.y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        self.x, self.y = self.x.to(device), self.y.to(device)
+        self.pool = pool
+
+    def batch(self, ids: range) -> tuple[torch.Tensor, torch.Tensor]:
+        ids_t = torch.arange(ids.start, ids.stop, dtype=torch.int64)
+        # A fixed scramble so consecutive batches differ even when the pool is small.
+        idx = ((ids_t * 40503 + ids_t // self.pool) % self.pool).to(self.x.device, non_blocking=True)
+        return self.x.index_select(0, idx), self.y.index_select(0, idx)
+
+
+class ImageFolderData:
+    def __init__(self, wcfg, *, path: str, seed: int):
+        from torchvision import datasets, transforms
+
+        size = wcfg.image_size
+        tf = transforms.Compose([
+            transforms.Resize(size),
+            transforms.CenterCrop(size),
+            transforms.ToTensor(),
+            transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+        ])
+        self.dataset = datasets.ImageFolder(path, transform=tf)
+        self.seed = seed
+
+    def ids_to_indices(self, ids: range) -> list[int]:
+        n = len(self.dataset)
+        out, perm, epoch = [], None, -1
+        for i in ids:
+            e = i // n
+            if e != epoch:
+                epoch = e
+                perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000003 + e))
+            out.append(int(perm[i % n]))
+        return out
+
+
+class _BatchSampler:
+    def __init__(self, data: ImageFolderData, *, start: int, micro_batch: int, rank: int, world: int):
+        self.data, self.start, self.mb, self.rank, self.world = data, start, micro_batch, rank, world
+
+    def __iter__(self):
+        g = self.start
+        while True:
+            yield self.data.ids_to_indices(sample_ids(g, self.mb, rank=self.rank, world=self.world))
+            g += 1
+
+
+def batches(spec: Workload, wcfg, dcfg, *, micro_batch: int, start: int, rank: int, world: int,
+            seed: int, device: torch.device, channels_last: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless iterator of this process's (x, y) micro-batches from global micro-batch `start` on."""
+    if dcfg.kind == "synthetic":
+        data = SyntheticData(spec, wcfg, pool=dcfg.synthetic_pool, seed=seed, device=device)
+
+        def gen():
+            g = start
+            while True:
+                x, y = data.batch(sample_ids(g, micro_batch, rank=rank, world=world))
+                yield _format(x, channels_last), y
+                g += 1
+
+        return gen()
+
+    from torch.utils.data import DataLoader
+
+    folder = ImageFolderData(wcfg, path=dcfg.path, seed=seed)
+    loader = DataLoader(
+        folder.dataset,
+        batch_sampler=_BatchSampler(folder, start=start, micro_batch=micro_batch, rank=rank, world=world),
+        num_workers=dcfg.workers,
+        pin_memory=device.type == "cuda",
+        persistent_workers=dcfg.workers > 0,
+    )
+    it = iter(loader)
+    if dcfg.prefetch and device.type == "cuda":
+        return CudaPrefetcher(it, device, channels_last)
+    return ((_format(x.to(device, non_blocking=True), channels_last), y.to(device, non_blocking=True))
+            for x, y in it)
+
+
+def _format(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
+    return x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
+
+
+class CudaPrefetcher:
+    """Copies batch n+1 to the GPU on a side stream while batch n computes.
+
+    The consumer's stream waits on the copy's event before use, and `record_stream` tells the caching
+    allocator the tensors are used on the compute stream, so their memory is not reused too early.
+    """
+
+    def __init__(self, it, device: torch.device, channels_last: bool):
+        self.it, self.device, self.channels_last = it, device, channels_last
+        self.stream = torch.cuda.Stream(device=device)
+        self.next = None
+        self._preload()
+
+    def _preload(self):
+        try:
+            x, y = next(self.it)
+        except StopIteration:
+            self.next = None
+            return
+        with torch.cuda.stream(self.stream):
+            x = _format(x.to(self.device, non_blocking=True), self.channels_last)
+            y = y.to(self.device, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.next = (x, y, event)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.next is None:
+            raise StopIteration
+        x, y, event = self.next
+        torch.cuda.current_stream(self.device).wait_event(event)
+        x.record_stream(torch.cuda.current_stream(self.device))
+        y.record_stream(torch.cuda.current_stream(self.device))
+        self._preload()
+        return x, y

@@ -1,0 +1,16 @@
+"""The one exception type that reaches the user as a single line and exit code 2.
+
+Raise `UsageError` for anything the user can fix by changing input (config, paths, environment, a
+checkpoint that does not fit); the message names the problem and the fix. `python -m job` prints
+`error: <message>` and exits 2 without a traceback.
+"""
+
+EXIT_OK = 0
+EXIT_USAGE = 2
+# A run stopped by SIGTERM/SIGUSR1/SIGUSR2 after writing its checkpoint: EX_TEMPFAIL ("try again"),
+# distinct from success and from a config error, so schedulers can retry on it and only on it.
+EXIT_INTERRUPTED = 75
+
+
+class UsageError(Exception):
+    """Bad input the user can fix; printed as one line, exit code 2."""

@@ -1,0 +1,22 @@
+"""Strategy registry: one module per strategy, one dict. `build` is the only constructor."""
+
+from __future__ import annotations
+
+from job.strategies.base import Strategy
+from job.strategies.ddp import DDPStrategy
+from job.strategies.dp import DataParallelStrategy
+
+REGISTRY: dict[str, type[Strategy]] = {
+    "dp": DataParallelStrategy,
+    "ddp": DDPStrategy,
+}
+
+
+def build(name: str, *, strategy_cfg, devices, rank: int = 0, world_size: int = 1,
+          local_rank: int = 0) -> Strategy:
+    from job.errors import UsageError
+
+    if name not in REGISTRY:
+        raise UsageError(f"unknown strategy `{name}`; choose one of: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[name](strategy_cfg, devices=devices, rank=rank, world_size=world_size,
+                          local_rank=local_rank)

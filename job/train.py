@@ -1,0 +1,403 @@
+"""The trainer, top to bottom: pick devices → build model, optimizer, strategy → resume → loop → close.
+
+Everything strategy-specific sits behind job.strategies (setup / loss / backward_sync); the loop below
+is the same for all of them. Interruptions (SIGTERM, SIGUSR1, SIGUSR2) set a flag; the current step
+finishes, every rank agrees to stop, a checkpoint is written, and the process exits 75.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from job import checkpoint as ckpt
+from job import launch, report
+from job.config import summary
+from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
+from job.models import WORKLOADS, human, param_count
+from job.strategies import REGISTRY
+from job.strategies import build as build_strategy
+
+log = logging.getLogger("job")
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+_stop = threading.Event()
+_stop_signal: list[int | None] = [None]
+
+
+def request_stop(reason: str = "requested", signum: int | None = None) -> None:
+    """Ask the running loop to finish its step, checkpoint and return 75 (signal handlers call this)."""
+    if not _stop.is_set():
+        log.warning("stop requested (%s): finishing the current step, then checkpointing", reason)
+        _stop_signal[0] = signum
+    _stop.set()
+
+
+def stop_signal() -> int | None:
+    """The signal that stopped the last run() (None if it ran to the end or was stopped by request_stop).
+
+    job.submit uses it to requeue only on Slurm's preemption/time-limit signal (SIGUSR2), not on scancel.
+    """
+    return _stop_signal[0]
+
+
+def _on_signal(signum, _frame) -> None:
+    request_stop(signal.Signals(signum).name, signum)
+
+
+def run(cfg) -> int:
+    """Train per `cfg`; returns the process exit code (0, 75 after an interruption)."""
+    env = launch.dist_env()
+    if env is None and REGISTRY[cfg.strategy.name].multi_process:
+        n = launch.nprocs_for(cfg, torch.cuda.device_count() if cfg.train.device != "cpu" else 0)
+        if n > 1:
+            # Refuse a batch that cannot be split before starting n processes that would each refuse it.
+            build_strategy(cfg.strategy.name, strategy_cfg=cfg.strategy, devices=[torch.device("cpu")],
+                           world_size=n).check(micro_batch=cfg.train.batch_size // cfg.train.accum_steps)
+            cfg.train.run_id = cfg.train.run_id or _new_run_id(cfg)
+            return launch.spawn(cfg, n)
+    trainer = Trainer(cfg, env or launch.DistEnv(0, 1, 0))
+    try:
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def _new_run_id(cfg) -> str:
+    base = f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy.name}-{cfg.workload.name}"
+    run_id, n = base, 1
+    while (Path(cfg.train.run_dir) / run_id).exists():
+        n += 1
+        run_id = f"{base}-{n}"
+    return run_id
+
+
+def _pick_devices(cfg, env: launch.DistEnv, multi_process: bool) -> list[torch.device]:
+    want = cfg.train.device
+    have = torch.cuda.is_available()
+    if want == "cuda" and not have:
+        raise UsageError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+    if want == "cpu" or not have:
+        return [torch.device("cpu")]
+    from job import devices
+
+    devices.assert_cuda_env_unchanged()
+    count = torch.cuda.device_count()
+    if multi_process:
+        index = env.local_rank if count > 1 else 0
+        if index >= count:
+            raise UsageError(
+                f"LOCAL_RANK={env.local_rank} but only {count} CUDA device(s) are visible; start one rank per "
+                "card or widen CUDA_VISIBLE_DEVICES"
+            )
+        torch.cuda.set_device(index)
+        return [torch.device("cuda", index)]
+    return [torch.device("cuda", i) for i in range(count)]
+
+
+class Trainer:
+    def __init__(self, cfg, env: launch.DistEnv):
+        self.cfg, self.env = cfg, env
+        t, w = cfg.train, cfg.workload
+        self.spec = WORKLOADS[w.name]
+        multi = REGISTRY[cfg.strategy.name].multi_process
+        self.devices = _pick_devices(cfg, env, multi)
+        self.device = self.devices[0]
+        if multi and env.world_size > 1:
+            backend = cfg.strategy.backend
+            if backend == "auto":
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+            launch.init_group(env, backend=backend, device=self.device)
+        self.strategy = build_strategy(cfg.strategy.name, strategy_cfg=cfg.strategy, devices=self.devices,
+                                       rank=env.rank, world_size=env.world_size, local_rank=env.local_rank)
+        self.micro_batch = t.batch_size // t.accum_steps
+        self.strategy.check(micro_batch=self.micro_batch)
+        self.is_main = self.strategy.is_main
+        if not self.is_main:
+            log.setLevel(logging.WARNING)
+
+        # Every rank needs the same run id: rank 0's wins.
+        run_id = t.run_id or _new_run_id(cfg)
+        self.run_id = self.strategy.all_gather_object(run_id)[0]
+        cfg.train.run_id = self.run_id
+        self.run_dir = Path(t.run_dir) / self.run_id
+        self.ckpt_dir = self.run_dir / "checkpoints"
+
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = t.cudnn_benchmark
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        torch.manual_seed(t.seed)  # same initial weights on every rank
+        model = self.spec.build(w, activation_checkpointing=t.activation_checkpointing)
+        if t.channels_last and self.spec.is_image:
+            model = model.to(memory_format=torch.channels_last)
+        self.model = model.to(self.device)
+        self.optimizer = self._optimizer()
+        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp == "fp16")
+        self.step, self.data_position = 0, 0
+        self._resume()
+        if self.step == 0:  # per-rank stream for dropout etc.; a resumed run restored its own above
+            torch.manual_seed(t.seed + 1 + env.rank)
+
+        self.strategy.setup(self.model, self.spec.loss)
+        if t.compile:
+            self.strategy.forward = torch.compile(self.strategy.forward)
+        self.batches = _batches(self)
+        self.telemetry = None
+        if cfg.telemetry.port:
+            self.telemetry = self._start_telemetry()
+
+    # -- building -------------------------------------------------------------------------------
+    def _optimizer(self) -> torch.optim.Optimizer:
+        t = self.cfg.train
+        params = self.model.parameters()
+        if t.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay,
+                                     fused=self.device.type == "cuda")
+        return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
+
+    def _start_telemetry(self):
+        from job import telemetry
+
+        tel = telemetry.TrainingTelemetry(
+            self.cfg.telemetry, run=self.run_id, strategy=self.cfg.strategy.name, rank=self.env.rank,
+            local_rank=self.env.local_rank, world_size=self.env.world_size, info=summary(self.cfg),
+            device=self.device if self.device.type == "cuda" else None,
+        )
+        try:
+            tel.start()
+        except OSError as e:
+            raise UsageError(
+                f"cannot serve metrics on {self.cfg.telemetry.host}:{self.cfg.telemetry.port} ({e.strerror}); "
+                "pick a free telemetry.port or 0 to turn it off"
+            ) from None
+        return tel
+
+    def _resume(self) -> None:
+        path = ckpt.find_resume(self.cfg.train.resume, self.ckpt_dir)
+        if path is None:
+            return
+        state = ckpt.load(path)
+        ckpt.restore_model(self.model, state, path, self.cfg.workload.name)
+        try:
+            self.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError) as e:
+            raise UsageError(
+                f"checkpoint {path} has optimizer state that does not fit train.optimizer="
+                f"{self.cfg.train.optimizer} ({e}); keep the optimizer or set train.resume=never"
+            ) from None
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        self.step, self.data_position = int(state["step"]), int(state["data_position"])
+        rngs = state.get("rng") or []
+        if len(rngs) == self.env.world_size:
+            ckpt.set_rng_state(rngs[self.env.rank])
+        else:
+            torch.manual_seed(self.cfg.train.seed + 1 + self.env.rank + self.step)
+        log.info("resumed from %s at step %d (data position %d)", path, self.step, self.data_position)
+        if self.strategy.is_main:
+            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def fit(self) -> int:
+        cfg, t = self.cfg, self.cfg.train
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            from omegaconf import OmegaConf
+
+            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+        self.strategy.barrier()
+        log.info("run %s: %s on %s, %s params, global batch %d (%d x %d micro-steps), %d steps -> %s",
+                 self.run_id, cfg.strategy.name, _where(self.devices, self.env.world_size),
+                 human(param_count(self.model)), t.batch_size, self.micro_batch, t.accum_steps, t.steps,
+                 self.run_dir)
+        if self.step >= t.steps:
+            log.info("run %s already finished %d of %d steps; nothing to do", self.run_id, self.step, t.steps)
+            return EXIT_OK
+
+        handlers = _install_signal_handlers()
+        try:
+            stopped = self._loop()
+        finally:
+            _restore_signal_handlers(handlers)
+        self.save_checkpoint()
+        if stopped:
+            log.warning("stopped at step %d; checkpoint written; exit %d", self.step, EXIT_INTERRUPTED)
+            return EXIT_INTERRUPTED
+        self._finish()
+        return EXIT_OK
+
+    def _loop(self) -> bool:
+        t = self.cfg.train
+        amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.amp)
+        log_every = t.log_every
+        card_every = self.cfg.telemetry.log_every or t.log_every
+        samples_per_step = t.batch_size
+        self.timed_from = None  # (step, time) after warm-up, for the final throughput
+        warm_step = self.step + min(10, max(1, (t.steps - self.step) // 10))
+        window_start, window_steps = time.perf_counter(), 0
+        loss_sum = torch.zeros((), device=self.device)
+        last_loss = float("nan")
+        while self.step < t.steps:
+            step_start = time.perf_counter()
+            self._set_lr()
+            self.optimizer.zero_grad(set_to_none=True)
+            for micro in range(t.accum_steps):
+                x, y = next(self.batches)
+                with self.strategy.backward_sync(micro == t.accum_steps - 1):
+                    with torch.autocast(self.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                        loss = self.strategy.loss(x, y)
+                    self.scaler.scale(loss / t.accum_steps).backward()
+                loss_sum += loss.detach() / t.accum_steps
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            self.step += 1
+            self.data_position += t.accum_steps
+            window_steps += 1
+
+            if self.step == warm_step:
+                self._sync()
+                self.timed_from = (self.step, time.perf_counter())
+            logging_now = self.step % log_every == 0 or self.step == t.steps
+            if logging_now:
+                self._sync()
+                now = time.perf_counter()
+                last_loss = self.strategy.mean(loss_sum.item() / window_steps)
+                rate = window_steps * samples_per_step / (now - window_start)
+                self._log_step(last_loss, rate, cards=self.step % card_every == 0 or self.step == t.steps)
+                loss_sum.zero_()
+                window_start, window_steps = now, 0
+            if self.telemetry is not None:
+                self.telemetry.observe_step(time.perf_counter() - step_start, samples_per_step, last_loss)
+            if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.steps:
+                self.save_checkpoint()
+            if self.strategy.any(_stop.is_set()):
+                return self.step < t.steps
+        return False
+
+    def _set_lr(self) -> None:
+        t = self.cfg.train
+        scale = min(1.0, (self.step + 1) / t.warmup_steps) if t.warmup_steps else 1.0
+        for group in self.optimizer.param_groups:
+            group["lr"] = t.lr * scale
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            for d in self.devices:
+                torch.cuda.synchronize(d)
+
+    def _rows(self) -> list[dict]:
+        rows = report.card_rows(self.devices, rank=self.env.rank)
+        return [r for per_rank in self.strategy.all_gather_object(rows) for r in per_rank]
+
+    def _log_step(self, loss: float, rate: float, *, cards: bool) -> None:
+        rows = self._rows()
+        if not self.is_main:
+            return
+        unit = self.spec.unit
+        k = self.spec.units_per_sample(self.cfg.workload)
+        log.info("step %d/%d  loss %.4f  %s %s/s", self.step, self.cfg.train.steps, loss, f"{rate * k:,.0f}", unit)
+        if cards and rows:
+            log.info("%s", report.card_line(self.step, rows))
+        record = {"step": self.step, "loss": loss, "samples_per_s": rate, f"{unit}_per_s": rate * k,
+                  "time": time.time(), "cards": rows}
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def save_checkpoint(self) -> None:
+        rngs = self.strategy.all_gather_object(ckpt.rng_state())
+        if self.is_main:
+            from omegaconf import OmegaConf
+
+            state = {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+                "step": self.step,
+                "data_position": self.data_position,
+                "rng": rngs,
+                "world_size": self.env.world_size,
+                "config": OmegaConf.to_container(self.cfg),
+            }
+            path = ckpt.save(self.ckpt_dir, self.step, state, keep=self.cfg.train.keep_checkpoints)
+            log.info("checkpoint %s", path)
+        self.strategy.barrier()
+
+    def _finish(self) -> None:
+        self._sync()
+        t = self.cfg.train
+        throughput = 0.0
+        if self.timed_from and self.step > self.timed_from[0]:
+            steps = self.step - self.timed_from[0]
+            throughput = steps * t.batch_size / (time.perf_counter() - self.timed_from[1])
+        rows = self._rows()
+        if not self.is_main:
+            return
+        k = self.spec.units_per_sample(self.cfg.workload)
+        unit = self.spec.unit
+        summary_doc = {
+            "run_id": self.run_id, "steps": self.step, "strategy": self.cfg.strategy.name,
+            "workload": self.cfg.workload.name, "world_size": self.env.world_size,
+            "samples_per_s": throughput, f"{unit}_per_s": throughput * k, "imbalance": report.imbalance(rows),
+            "cards": rows,
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary_doc, indent=2) + "\n")
+        title = (f"per-card memory: {self.cfg.strategy.name}, {self.cfg.workload.name}, global batch "
+                 f"{t.batch_size}, {self.step} steps (run {self.run_id})")
+        print(report.table(rows, throughput=throughput * k, unit=unit, title=title), flush=True)
+
+    def close(self) -> None:
+        if self.telemetry is not None:
+            self.telemetry.close()
+        self.strategy.teardown()
+        # DESIGN.md: this order exits cleanly; others aborted at exit in 4 runs of 10.
+        del self.model, self.optimizer, self.batches
+        gc.collect()
+        launch.destroy_group()
+
+
+def _batches(tr: Trainer):
+    from job.data import batches
+
+    c = tr.cfg
+    return batches(tr.spec, c.workload, c.data, micro_batch=tr.micro_batch, start=tr.data_position,
+                   rank=tr.env.rank if tr.strategy.multi_process else 0,
+                   world=tr.env.world_size if tr.strategy.multi_process else 1,
+                   seed=c.train.seed, device=tr.device, channels_last=c.train.channels_last)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records of steps after the checkpoint (a killed run logged steps that will be redone)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.replace(path)
+
+
+def _where(devices: list[torch.device], world: int) -> str:
+    if devices[0].type == "cpu":
+        return f"CPU x {world} process(es)" if world > 1 else "CPU"
+    return f"{world} processes x 1 GPU" if world > 1 else f"{len(devices)} GPU(s)"
+
+
+def _install_signal_handlers():
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    _stop.clear()
+    _stop_signal[0] = None
+    return {s: signal.signal(s, _on_signal) for s in STOP_SIGNALS}
+
+
+def _restore_signal_handlers(handlers) -> None:
+    for s, h in handlers.items():
+        with contextlib.suppress(ValueError, TypeError):
+            signal.signal(s, h)

@@ -1,0 +1,46 @@
+"""Shared test helpers: GPU marks and the rule for tests that need a system service.
+
+- `@requires_gpus(n)`: skipped unless n CUDA devices are visible (GPU tests run on the lent H200s).
+- `need_binary(name)`: a test that needs a real service binary (slurmctld, prometheus, dockerd)
+  fails in CI when it is missing (CI installs it, so missing means broken CI) and is skipped with
+  the install hint on a developer machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def cuda_count() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def requires_gpus(n: int):
+    return pytest.mark.skipif(cuda_count() < n, reason=f"needs {n} CUDA GPU(s)")
+
+
+def need_binary(name: str, hint: str) -> str:
+    path = shutil.which(name) or (f"/usr/sbin/{name}" if Path(f"/usr/sbin/{name}").exists() else None)
+    if path:
+        return path
+    if IN_CI:
+        pytest.fail(f"{name} is missing in CI; .ci/setup.d should install it ({hint})")
+    pytest.skip(f"{name} not installed ({hint})")
+
+
+def job_cmd(*args: str) -> list[str]:
+    """The real entry point, as a user runs it."""
+    return [sys.executable, "-m", "job", *args]

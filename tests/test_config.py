@@ -1,0 +1,112 @@
+"""Config: precedence, presets, and every kind of bad input as one line + exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from conftest import ROOT, job_cmd
+
+from job import config
+from job.errors import UsageError
+from job.strategies import REGISTRY
+
+
+def test_registry_is_pinned():
+    assert sorted(REGISTRY) == ["ddp", "dp"]
+    assert config.preset_names("strategy") == ["accum", "ddp", "dp"]
+    assert config.preset_names("workload") == ["lm", "resnet50", "tiny"]
+
+
+def test_precedence_schema_base_presets_file_cli(tmp_path):
+    cfg = config.load([])
+    assert cfg.train.optimizer == "sgd"  # schema default, untouched by base.yaml
+    assert cfg.train.steps == 200  # base.yaml
+    assert cfg.strategy.name == "ddp"
+
+    cfg = config.load(["strategy=accum"])  # strategy preset over base
+    assert cfg.train.accum_steps == 4 and cfg.strategy.name == "ddp"
+
+    cfg = config.load(["workload=lm"])  # workload preset over base
+    assert (cfg.workload.vocab, cfg.train.batch_size, cfg.train.optimizer) == (50304, 16, "adamw")
+
+    user = tmp_path / "my.yaml"
+    user.write_text("workload: resnet50\ntrain:\n  batch_size: 512\n  steps: 7\n")
+    cfg = config.load(["--config", str(user)])  # file over presets; a plain string picks a preset
+    assert (cfg.workload.name, cfg.workload.image_size, cfg.train.batch_size) == ("resnet50", 224, 512)
+
+    cfg = config.load(["--config", str(user), "train.batch_size=128"])  # CLI over file
+    assert (cfg.train.batch_size, cfg.train.steps) == (128, 7)
+
+    cfg = config.load(["--config", str(user), "workload=tiny"])  # CLI preset pick over the file's pick
+    assert cfg.workload.name == "tiny" and cfg.train.batch_size == 512
+
+
+def test_workload_preset_wins_over_strategy_preset():
+    cfg = config.load(["strategy=accum", "workload=lm"])
+    assert cfg.train.accum_steps == 4 and cfg.train.batch_size == 16
+
+
+def test_bench_strategies_alias():
+    cfg = config.load(["strategies=[dp,ddp]"])
+    assert list(cfg.bench.strategies) == ["dp", "ddp"]
+
+
+BAD = [
+    (["strategy.gpu0_bs=3"], "unknown key `strategy.gpu0_bs` in command line; did you mean `strategy.gpu0_batch`?"),
+    (["train.batch_sise=3"], "did you mean `train.batch_size`"),
+    (["train.steps=many"], "`train.steps`"),
+    (["strategy=fsdp"], "unknown strategy `fsdp`; choose one of: accum, ddp, dp"),
+    (["strategy.name=fsdp"], "unknown strategy `fsdp`; choose one of: ddp, dp"),
+    (["workload=gpt5"], "unknown workload `gpt5`; choose one of: lm, resnet50, tiny"),
+    (["train.batch_size=250", "train.accum_steps=64"], "global batch 250 is not a multiple of train.accum_steps=64"),
+    (["train.amp=fp8"], "`train.amp=fp8` is not valid; choose one of: off, bf16, fp16"),
+    (["data.kind=imagefolder", "data.path=/does/not/exist"], "data.path `/does/not/exist` is not a folder"),
+    (["train.steps=0"], "`train.steps=0` must be at least 1"),
+    (["telemetry.port=70000"], "is not a TCP port"),
+    (["workload=lm", "workload.heads=7"], "workload.d_model=768 is not a multiple of workload.heads=7"),
+    (["--config", "/nope.yaml"], "--config file /nope.yaml does not exist"),
+    (["stray"], "unexpected argument `stray`"),
+]
+
+
+@pytest.mark.parametrize("argv,expected", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_clear_error(argv, expected):
+    with pytest.raises(UsageError) as e:
+        config.load(argv)
+    assert expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_yaml_file(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("train: [unclosed\n")
+    with pytest.raises(UsageError, match="is not valid YAML"):
+        config.load(["--config", str(f)])
+    f.write_text("train:\n  stepz: 3\n")
+    with pytest.raises(UsageError, match="unknown key `train.stepz`"):
+        config.load(["--config", str(f)])
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["train", "train.batch_size=abc"], "error: `train.batch_size`"),
+    (["train", "strategy=nope"], "error: unknown strategy `nope`"),
+    (["frobnicate"], "error: unknown command `frobnicate`"),
+    (["train", "strategy=ddp", "strategy.nprocs=3", "train.batch_size=64", "train.device=cpu"],
+     "ddp: micro-batch 64 (train.batch_size / train.accum_steps) is not a multiple of 3 ranks"),
+])
+def test_cli_exit_2_one_line_no_traceback(argv, expected, tmp_path):
+    p = subprocess.run(job_cmd(*argv, f"train.run_dir={tmp_path}") if argv[0] == "train" else job_cmd(*argv),
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert "Traceback" not in p.stderr
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], p.stderr
+
+
+def test_help_lists_every_key():
+    p = subprocess.run(job_cmd("train", "--help"), cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0
+    for key in config.all_keys():
+        assert f"{key}=" in p.stdout, key
+    assert "Global batch per optimizer step" in p.stdout

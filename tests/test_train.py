@@ -1,0 +1,178 @@
+"""The trainer end to end on CPU, through the real entry point: equivalences, interruption, bad state."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, job_cmd
+
+# Small and fast on 2 cores, same code paths as the real workloads.
+SMALL = ["workload=tiny", "workload.width=8", "workload.image_size=16", "train.device=cpu", "train.log_every=5"]
+
+
+def train(tmp: Path, run_id: str, *args: str, env=None, timeout=240) -> subprocess.CompletedProcess:
+    cmd = job_cmd("train", *SMALL, f"train.run_dir={tmp}", f"train.run_id={run_id}", *args)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, **(env or {})})
+    return p
+
+
+def final_model(tmp: Path, run_id: str) -> dict:
+    ckpts = sorted((tmp / run_id / "checkpoints").glob("step_*.pt"))
+    assert ckpts, f"no checkpoint in {tmp / run_id}"
+    return torch.load(ckpts[-1], map_location="cpu", weights_only=False)
+
+
+def assert_same_weights(a: dict, b: dict, *, exact: bool, atol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), k
+        else:
+            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-4, msg=k)
+
+
+def test_run_writes_run_dir_and_table(tmp_path):
+    p = train(tmp_path, "r", "strategy=dp", "train.steps=10")
+    assert p.returncode == 0, p.stderr
+    assert "no CUDA cards visible" in p.stdout and "throughput:" in p.stdout
+    run = tmp_path / "r"
+    assert (run / "config.yaml").read_text().count("batch_size") >= 1
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [5, 10]
+    assert all(x["loss"] > 0 and x["samples_per_s"] > 0 for x in lines)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 10 and summary["samples_per_s"] > 0
+    assert final_model(tmp_path, "r")["step"] == 10
+
+
+def test_cpu_runs_are_bit_reproducible(tmp_path):
+    for rid in ("a", "b"):
+        assert train(tmp_path, rid, "strategy=dp", "train.steps=8").returncode == 0
+    assert_same_weights(final_model(tmp_path, "a")["model"], final_model(tmp_path, "b")["model"], exact=True)
+
+
+def test_accumulation_equals_one_big_batch(tmp_path):
+    """4 micro-batches of 8 == one batch of 32: same samples, same mean loss, same update."""
+    common = ["strategy=dp", "train.steps=6", "train.batch_size=32", "train.optimizer=sgd", "train.momentum=0"]
+    assert train(tmp_path, "big", *common, "train.accum_steps=1").returncode == 0
+    p = train(tmp_path, "acc", *common, "train.accum_steps=4")
+    assert p.returncode == 0, p.stderr
+    assert_same_weights(final_model(tmp_path, "big")["model"], final_model(tmp_path, "acc")["model"], exact=False)
+
+
+@pytest.mark.parametrize("accum", [1, 2], ids=["plain", "accum2"])
+def test_ddp_two_processes_equal_one_process(tmp_path, accum):
+    common = ["train.steps=6", "train.batch_size=16", f"train.accum_steps={accum}"]
+    assert train(tmp_path, "one", "strategy=dp", *common).returncode == 0
+    p = train(tmp_path, "two", "strategy=ddp", "strategy.nprocs=2", *common)
+    assert p.returncode == 0, p.stderr
+    assert "ddp: started 2 ranks" in p.stderr
+    assert_same_weights(final_model(tmp_path, "one")["model"], final_model(tmp_path, "two")["model"], exact=False)
+
+
+def _wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            steps = [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
+            if steps and steps[-1] >= step:
+                return
+        assert proc.poll() is None, "trainer exited before the signal"
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached")
+
+
+@pytest.mark.parametrize("strategy,sig", [("dp", signal.SIGTERM), ("ddp", signal.SIGUSR1)], ids=["dp-term", "ddp-usr1"])
+def test_interrupt_resume_equals_uninterrupted(tmp_path, strategy, sig):
+    args = [f"strategy={strategy}", "train.steps=60", "train.checkpoint_every=0", "train.batch_size=16"]
+    if strategy == "ddp":
+        args.append("strategy.nprocs=2")
+    assert train(tmp_path, "full", *args).returncode == 0
+
+    cmd = job_cmd("train", *SMALL, f"train.run_dir={tmp_path}", "train.run_id=cut", *args)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_step(tmp_path / "cut" / "metrics.jsonl", 10, proc)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 75, err
+    stopped = final_model(tmp_path, "cut")
+    assert 10 <= stopped["step"] < 60, stopped["step"]
+    assert stopped["data_position"] == stopped["step"]
+
+    p = train(tmp_path, "cut", *args)  # the same command again resumes (train.resume=auto)
+    assert p.returncode == 0, p.stderr
+    assert f"resumed from {tmp_path / 'cut' / 'checkpoints'}" in p.stderr
+    steps = [json.loads(x)["step"] for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(set(steps)), "a step was logged twice"
+    assert_same_weights(final_model(tmp_path, "full")["model"], final_model(tmp_path, "cut")["model"],
+                        exact=strategy == "dp")
+
+
+def test_corrupt_checkpoint_is_refused_and_kept(tmp_path):
+    assert train(tmp_path, "c", "strategy=dp", "train.steps=4").returncode == 0
+    ck = sorted((tmp_path / "c" / "checkpoints").glob("step_*.pt"))[-1]
+    ck.write_bytes(b"not a checkpoint")
+    p = train(tmp_path, "c", "strategy=dp", "train.steps=8")
+    assert p.returncode == 2
+    assert "is corrupt or not a checkpoint" in p.stderr and "Traceback" not in p.stderr
+    assert ck.read_bytes() == b"not a checkpoint"
+    assert sorted((tmp_path / "c" / "checkpoints").glob("step_*.pt")) == [ck]
+
+
+def test_incompatible_checkpoint_is_refused(tmp_path):
+    assert train(tmp_path, "w", "strategy=dp", "train.steps=4").returncode == 0
+    before = final_model(tmp_path, "w")
+    p = train(tmp_path, "w", "strategy=dp", "train.steps=8", "workload.width=16")
+    assert p.returncode == 2 and "does not fit this model" in p.stderr, p.stderr
+    assert_same_weights(before["model"], final_model(tmp_path, "w")["model"], exact=True)
+
+
+def test_resume_is_strategy_independent(tmp_path):
+    """A checkpoint written by ddp (2 ranks) resumes under dp: the state is unwrapped."""
+    assert train(tmp_path, "x", "strategy=ddp", "strategy.nprocs=2", "train.steps=4", "train.batch_size=16").returncode == 0
+    p = train(tmp_path, "x", "strategy=dp", "train.steps=6", "train.batch_size=16")
+    assert p.returncode == 0, p.stderr
+    assert "resumed from" in p.stderr and final_model(tmp_path, "x")["step"] == 6
+
+
+def test_missing_data_path_and_bad_visible_devices(tmp_path):
+    p = train(tmp_path, "d", "data.kind=imagefolder", f"data.path={tmp_path / 'none'}")
+    assert p.returncode == 2 and "is not a folder" in p.stderr
+    p = train(tmp_path, "d", env={"CUDA_VISIBLE_DEVICES": "0,0"})
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+
+
+def test_imagefolder_data(tmp_path):
+    from PIL import Image
+
+    for cls in ("cat", "dog"):
+        (tmp_path / "imgs" / cls).mkdir(parents=True)
+        for i in range(6):
+            Image.new("RGB", (20, 20), (i * 40, 100 if cls == "cat" else 0, 50)).save(tmp_path / "imgs" / cls / f"{i}.png")
+    p = train(tmp_path, "img", "strategy=dp", "train.steps=5", "train.batch_size=4", "data.kind=imagefolder",
+              f"data.path={tmp_path / 'imgs'}", "workload.num_classes=2", "data.workers=1")
+    assert p.returncode == 0, p.stderr
+
+
+def test_amp_and_activation_checkpointing_on_cpu(tmp_path):
+    p = train(tmp_path, "amp", "strategy=dp", "train.steps=4", "train.amp=bf16", "train.activation_checkpointing=true")
+    assert p.returncode == 0, p.stderr
+    p = train(tmp_path, "ac", "strategy=dp", "train.steps=4", "train.activation_checkpointing=false")
+    assert p.returncode == 0, p.stderr
+
+
+def test_make_run_prints_the_table():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MAKE")}
+    p = subprocess.run(["make", "run", "ARGS=train.run_dir=" + str(ROOT / "runs" / "test-make-run"),
+                        f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "per-card memory" in p.stdout and "throughput:" in p.stdout
