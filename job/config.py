@@ -106,6 +106,8 @@ class TrainCfg:
     """Checkpoints kept in the run directory (oldest deleted first; at least 1)."""
     log_every: int = 20
     """Print a progress line every N steps."""
+    timing_warmup: int = -1
+    """Steps left out of the final throughput (-1: min(10, a tenth of the run))."""
 
 
 @dataclass

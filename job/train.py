@@ -241,7 +241,10 @@ class Trainer:
         card_every = self.cfg.telemetry.log_every or t.log_every
         samples_per_step = t.batch_size
         self.timed_from = None  # (step, time) after warm-up, for the final throughput
-        warm_step = self.step + min(10, max(1, (t.steps - self.step) // 10))
+        warm = t.timing_warmup if t.timing_warmup >= 0 else min(10, max(1, (t.steps - self.step) // 10))
+        warm_step = self.step + warm
+        if warm == 0:
+            self.timed_from = (self.step, time.perf_counter())
         window_start, window_steps = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=self.device)
         last_loss = float("nan")
@@ -262,7 +265,7 @@ class Trainer:
             self.data_position += t.accum_steps
             window_steps += 1
 
-            if self.step == warm_step:
+            if warm and self.step == warm_step:
                 self._sync()
                 self.timed_from = (self.step, time.perf_counter())
             logging_now = self.step % log_every == 0 or self.step == t.steps
