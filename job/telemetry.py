@@ -102,16 +102,19 @@ class NvmlCollector:
                 except Exception as e:
                     self._warn_once("identity", f"card {i}", e)
                     continue
-                targets = [(h, uuid, True)]
+                targets = [(h, uuid, name, True)]
                 for m in migs:  # a MIG instance is a card of its own to CUDA; NVML has no utilisation for it
+                    if self.uuids is not None and m not in self.uuids:
+                        continue
                     try:
-                        targets.append((nv.nvmlDeviceGetHandleByUUID(m), m, False))
+                        mh = nv.nvmlDeviceGetHandleByUUID(m)
+                        targets.append((mh, m, devices._text(nv.nvmlDeviceGetName(mh)), False))
                     except Exception as e:
                         self._warn_once("MIG handle", m, e)
-                for handle, u, has_util in targets:
+                for handle, u, card_name, has_util in targets:
                     if self.uuids is not None and u not in self.uuids:
                         continue
-                    labels = [u, pci, str(i), name, self.host]
+                    labels = [u, pci, str(i), card_name, self.host]
                     try:
                         mem = nv.nvmlDeviceGetMemoryInfo(handle)
                         used.add_metric(labels, float(mem.used))

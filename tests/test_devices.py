@@ -15,13 +15,13 @@ import sys
 
 import pynvml
 import pytest
+from conftest import ROOT, requires_gpus
 from hypothesis import given
 from hypothesis import strategies as st
 
 from job import devices
 from job.devices import FakeCard, FakeCuda, FakeNvml
 from job.errors import UsageError
-from tests.conftest import ROOT, requires_gpus
 
 
 def _nvml(cards: list[FakeCard]) -> FakeNvml:
