@@ -48,8 +48,11 @@ def job_pod(root: Path, pod_name: str) -> tuple[LocalPod, dict]:
 
 
 def start(pod: LocalPod, container: str, extra: list[str], log: Path, env_overrides=None,
-          entrypoint=ENTRYPOINT) -> subprocess.Popen:
+          entrypoint=ENTRYPOINT, master_port: int | None = None) -> subprocess.Popen:
     argv, env = pod.command(container, entrypoint, env_overrides)
+    if master_port:  # a free port instead of the manifest's fixed 29500 (other tests run alongside)
+        assert "--master-port=29500" in argv
+        argv = [f"--master-port={master_port}" if a == "--master-port=29500" else a for a in argv]
     with log.open("w") as out:
         return subprocess.Popen(argv + extra, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=pod.root)
 
@@ -184,11 +187,9 @@ def test_multinode_two_pods_train_together(tmp_path, which):
         for i, (pod, container, env) in enumerate(pods):
             _, telemetry = metrics_port_override()
             extra = CPU_OVERRIDE + ["train.steps=3"] + telemetry
-            argv_env = pod.command(container, ENTRYPOINT, env)[0]
-            if which == "indexed-job":  # a free port instead of the fixed 29500 (CI runs other tests)
-                assert "--master-port=29500" in argv_env
             log = tmp_path / f"node{i}.log"
-            procs.append((start_with_port(pod, container, extra, log, env, port), log))
+            procs.append((start(pod, container, extra, log, env,
+                                master_port=port if which == "indexed-job" else None), log))
         for proc, log in procs:
             assert proc.wait(timeout=180) == 0, log.read_text()
     finally:
@@ -202,10 +203,3 @@ def test_multinode_two_pods_train_together(tmp_path, which):
     assert (run / "checkpoints" / "step_00000003.pt").is_file(), sorted(run.rglob("*"))
     logs = "".join(log.read_text() for _, log in procs)
     assert "on CPU x 2 process(es)" in logs, logs  # one group over both "nodes"
-
-
-def start_with_port(pod, container, extra, log, env, port) -> subprocess.Popen:
-    argv, full_env = pod.command(container, ENTRYPOINT, env)
-    argv = [f"--master-port={port}" if a == "--master-port=29500" else a for a in argv]
-    with log.open("w") as out:
-        return subprocess.Popen(argv + extra, env=full_env, stdout=out, stderr=subprocess.STDOUT, cwd=pod.root)
