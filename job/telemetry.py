@@ -663,12 +663,78 @@ def bench_scrape(*, cards: int = 8, ranks: int = 8, scrapes: int = 200) -> dict[
             "max_ms": 1e3 * times[-1], "observe_step_us": observe_us}
 
 
+def bench_overhead(*, blocks: int = 20, steps: int = 150, scrape_every: float = 0.25) -> dict[str, float]:
+    """Step time of a small CPU training loop with telemetry off vs on and scraped every `scrape_every` s.
+
+    Blocks alternate (off, on, off, on, ...) so that drifting machine load hits both sides alike; each
+    block's mean step time counts, the median over blocks is reported. The
+    scrape comes 40x more often than prometheus.yml's 10 s, to lift the effect above the noise.
+    One torch thread, so the loop and the server compete for the GIL, not for cores.
+    """
+    import statistics
+    import urllib.request
+    from types import SimpleNamespace
+
+    import torch
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x, y = torch.randn(64, 512), torch.randint(0, 10, (64,))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tcfg = SimpleNamespace(port=port, host="127.0.0.1", peer_dir=tempfile.mkdtemp(prefix="trainjob-bench-"))
+    nv, cards = _bench_cards(8)
+    tel = TrainingTelemetry(tcfg, run="bench", strategy="dp", rank=0, local_rank=0, world_size=1, info={},
+                            device=_FakeDevice(0), nvml=nv, allocator=FakeAllocator({0: (1, 2, 3)}), cards=cards).start()
+    stop = threading.Event()
+
+    def scraper():
+        while not stop.wait(scrape_every):
+            with urllib.request.urlopen(tel.url, timeout=10) as r:
+                r.read()
+
+    def block(with_telemetry: bool) -> float:
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            dt = time.perf_counter() - t0
+            if with_telemetry:
+                tel.observe_step(dt, 64, loss.item())
+            times.append(time.perf_counter() - t0)
+        return statistics.fmean(times)  # the mean: a scrape shows up as a few slower steps
+
+    block(False)  # warm-up
+    off, on = [], []
+    try:
+        for _ in range(blocks):
+            off.append(block(False))
+            thread = threading.Thread(target=scraper, daemon=True)
+            stop.clear()
+            thread.start()
+            on.append(block(True))
+            stop.set()
+            thread.join()
+    finally:
+        tel.close()
+    m_off, m_on = statistics.median(off), statistics.median(on)
+    return {"step_ms_off": 1e3 * m_off, "step_ms_on": 1e3 * m_on, "overhead_pct": 100 * (m_on - m_off) / m_off,
+            "blocks": blocks, "steps": steps, "scrape_every_s": scrape_every}
+
+
 def _bench_main(argv: list[str]) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m job.telemetry",
                                 description="Scrape benchmark: fake NVML cards, one process per rank, loopback.")
-    p.add_argument("--bench-scrape", action="store_true", required=True)
+    p.add_argument("--bench-scrape", action="store_true", help="time merged scrapes (the default)")
+    p.add_argument("--bench-overhead", action="store_true", help="also: a CPU loop's step time, scraped vs not")
     p.add_argument("--cards", type=int, default=8)
     p.add_argument("--ranks", type=int, default=8)
     p.add_argument("--scrapes", type=int, default=200)
@@ -678,6 +744,15 @@ def _bench_main(argv: list[str]) -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(f"| {r['cards']} | {r['ranks']} | {r['scrapes']} | {r['series']} | {r['bytes']} | {r['p50_ms']:.1f} "
           f"| {r['p95_ms']:.1f} | {r['max_ms']:.1f} | {r['observe_step_us']:.2f} |")
+    if a.bench_overhead:
+        o = bench_overhead()
+        print()
+        every = o["scrape_every_s"]
+        print(f"| loop (CPU, 1 thread, {o['blocks']} blocks x {o['steps']} steps each side) | step ms, telemetry off "
+              f"| step ms, on + scrape every {every:g} s | overhead | scaled to a 10 s scrape |")
+        print("| --- | --- | --- | --- | --- |")
+        print(f"| MLP 512-1024-10, bs 64 | {o['step_ms_off']:.3f} | {o['step_ms_on']:.3f} "
+              f"| {o['overhead_pct']:+.2f} % | {o['overhead_pct'] * every / 10:+.3f} % |")
     return 0
 
 
