@@ -29,6 +29,12 @@ def dns_name(stem: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", stem.lower()).strip("-")
 
 
+def object_name(stem: str) -> str:
+    """trainjob-<stem>, without doubling a stem that already starts with trainjob."""
+    name = dns_name(stem)
+    return name if name.startswith("trainjob") else f"trainjob-{name}"
+
+
 def rule_sources() -> list[Path]:
     return sorted(p for p in RULES_SRC.glob("*.y*ml") if p.suffix in (".yml", ".yaml"))
 
@@ -50,7 +56,7 @@ def prometheus_rule(src: Path) -> str:
         + "apiVersion: monitoring.coreos.com/v1\n"
         + "kind: PrometheusRule\n"
         + "metadata:\n"
-        + f"  name: trainjob-{dns_name(src.stem)}\n"
+        + f"  name: {object_name(src.stem)}\n"
         + "  labels:\n"
         + "    app.kubernetes.io/name: trainjob\n"
         + "    app.kubernetes.io/part-of: trainjob\n"

@@ -97,6 +97,7 @@ def test_sigterm_checkpoints_in_grace_and_next_pod_resumes(tmp_path):
             proc.kill()
             proc.wait()
     text = log.read_text()
+    print(f"\njob.yaml container on CPU: SIGTERM -> exit {rc} in {took:.2f} s (grace {grace} s)")
     assert rc == 75, text
     # well inside the grace period: the kubelet would SIGKILL at `grace`
     assert took < grace / 4, f"SIGTERM -> exit took {took:.1f} s, grace is {grace} s"
