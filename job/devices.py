@@ -281,15 +281,34 @@ def _hex(uuid: str) -> str:
     return u
 
 
+_cards_cache: list[Card] | None = None
+
+
 def visible_cards(*, nvml=None, cuda=None) -> list[Card]:
     """One Card per torch CUDA device, in torch order, matched to NVML by UUID; [] without CUDA.
 
-    `cuda` defaults to `torch.cuda` (tests pass a stand-in: CUDA cannot run on CI machines).
+    `cuda` defaults to `torch.cuda` (tests pass a stand-in: CUDA cannot run on CI machines). With
+    both defaults the answer is computed once per process: CUDA's device list cannot change after
+    it has started (assert_cuda_env_unchanged), and the trainer asks at every logged step.
     """
+    global _cards_cache
+    if nvml is None and cuda is None:
+        if _cards_cache is None:
+            import torch
+
+            cards = _visible_cards(None, torch.cuda)
+            if not cards or torch.cuda.is_initialized():
+                _cards_cache = cards
+            return list(cards)
+        return list(_cards_cache)
     if cuda is None:
         import torch
 
         cuda = torch.cuda
+    return _visible_cards(nvml, cuda)
+
+
+def _visible_cards(nvml, cuda) -> list[Card]:
     if not cuda.is_available():
         return []
     by_uuid: dict[str, tuple[NvmlCard, str]] = {}
