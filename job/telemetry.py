@@ -330,7 +330,8 @@ class _Merged:
                 continue
             except (OSError, ValueError, KeyError):
                 continue
-            if peer.get("run") == self.run:
+            # only this run's ranks, and only loopback: a file in /tmp must not make us fetch elsewhere
+            if peer.get("run") == self.run and str(peer.get("url", "")).startswith("http://127.0.0.1:"):
                 out.append(peer)
         return out
 

@@ -237,6 +237,9 @@ def test_dead_or_silent_peer_costs_its_series_not_the_scrape(nv, tmp_path):
             {"url": f"http://127.0.0.1:{silent}/metrics", "pid": os.getpid(), "run": "r", "local_rank": 2}))
         (tmp_path / "local_rank-5.json").write_text(json.dumps(  # another run's leftover
             {"url": f"http://127.0.0.1:{silent}/metrics", "pid": os.getpid(), "run": "old", "local_rank": 5}))
+        (tmp_path / "local_rank-6.json").write_text(json.dumps(  # not loopback: never fetched
+            {"url": "http://example.invalid/metrics", "pid": os.getpid(), "run": "r", "local_rank": 6}))
+        (tmp_path / "local_rank-7.json").write_text("{not json")
         code, text = get(f"http://127.0.0.1:{port}/metrics")
         assert code == 200
         assert named(text, "trainjob_telemetry_peer_up") == [{"local_rank": "2"}]
