@@ -412,3 +412,26 @@ def test_gpu_rank0_series_carry_card1_identity(tmp_path, form):
         print(f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']}: rank 0 -> {card1.uuid} {card1.pci_bus_id}")
     finally:
         stop(proc)
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+def test_gpu_exporter_reports_every_card_by_uuid():
+    import pynvml
+
+    pynvml.nvmlInit()
+    inventory = devices.nvml_inventory(pynvml)
+    port = free_port()
+    proc = subprocess.Popen(job_cmd("export", "--port", str(port)), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        text = wait_for(f"http://127.0.0.1:{port}/metrics", lambda t: "trainjob_gpu_memory_used_bytes" in t, proc)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    assert samples(text)[("trainjob_nvml_up", frozenset())] == 1
+    got = {(d["uuid"], d["pci_bus_id"], d["gpu"]) for d in named(text, "trainjob_gpu_memory_total_bytes")}
+    assert got >= {(c.uuid, c.pci_bus_id, str(c.nvml_index)) for c in inventory}
+    check = subprocess.run([need_binary("promtool", "apt-get install prometheus"), "check", "metrics"], input=text,
+                           capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stdout + check.stderr
