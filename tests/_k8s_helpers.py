@@ -229,6 +229,15 @@ class LocalPod:
         return argv, full_env
 
 
+def dockerfile_user() -> str | None:
+    """The Dockerfile's last USER instruction, if the Dockerfile exists."""
+    path = ROOT / "Dockerfile"
+    if not path.is_file():
+        return None
+    users = re.findall(r"^\s*USER\s+(\S+)\s*$", path.read_text(), re.M)
+    return users[-1] if users else None
+
+
 def dockerfile_entrypoint() -> list[str] | None:
     """The Dockerfile's exec-form ENTRYPOINT, if the Dockerfile exists."""
     import json

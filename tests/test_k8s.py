@@ -390,6 +390,23 @@ def test_image_entrypoint_is_the_project_cli():
     assert entry == ["python", "-m", "job"]
 
 
+def test_pods_run_as_the_images_user(rendered_with_exporter):
+    """runAsUser/runAsGroup are the Dockerfile's USER uid:gid (the image's files are set up for it)."""
+    from tests._k8s_helpers import dockerfile_user
+
+    user = dockerfile_user()
+    if user is None:
+        pytest.skip("no Dockerfile yet (the Docker helper's area)")
+    uid, _, gid = user.partition(":")
+    assert uid.isdigit(), f"Dockerfile USER {user} should be numeric for runAsNonRoot"
+    for _where, d in every_doc(rendered_with_exporter):
+        for tw, template in pod_templates(d):
+            psc = template["spec"]["securityContext"]
+            assert str(psc["runAsUser"]) == uid and str(psc["runAsGroup"]) == (gid or uid), tw
+            if "fsGroup" in psc:
+                assert str(psc["fsGroup"]) == (gid or uid), tw
+
+
 # ---------------------------------------------------------------- one source of truth
 
 
