@@ -139,25 +139,29 @@ class Trainer:
         if t.channels_last and self.spec.is_image:
             model = model.to(memory_format=torch.channels_last)
         self.model = model.to(self.device)
-        self.optimizer = self._optimizer()
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp == "fp16")
         self.step, self.data_position = 0, 0
-        self._resume()
-        if self.step == 0:  # per-rank stream for dropout etc.; a resumed run restored its own above
+        # Weights are restored before the strategy wraps or replicates the model, the optimizer after
+        # (its shape may depend on the strategy), RNG last.
+        self.strategy.run_dir = self.run_dir
+        resume_path = ckpt.find_resume(t.resume, self.ckpt_dir)
+        state = ckpt.load(resume_path) if resume_path else None
+        if state is not None:
+            ckpt.restore_model(self.model, state, resume_path, w.name)
+        self.strategy.setup(self.model, self.spec.loss, compile=t.compile)
+        self.optimizer = self.strategy.build_optimizer(self._optimizer)
+        if state is not None:
+            self._resume(state, resume_path)
+        else:  # per-rank stream for dropout etc.; a resumed run restores its own
             torch.manual_seed(t.seed + 1 + env.rank)
-
-        self.strategy.setup(self.model, self.spec.loss)
-        if t.compile:
-            self.strategy.forward = torch.compile(self.strategy.forward)
         self.batches = _batches(self)
         self.telemetry = None
         if cfg.telemetry.port:
             self.telemetry = self._start_telemetry()
 
     # -- building -------------------------------------------------------------------------------
-    def _optimizer(self) -> torch.optim.Optimizer:
+    def _optimizer(self, params) -> torch.optim.Optimizer:
         t = self.cfg.train
-        params = self.model.parameters()
         if t.optimizer == "adamw":
             return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay,
                                      fused=self.device.type == "cuda")
@@ -180,14 +184,9 @@ class Trainer:
             ) from None
         return tel
 
-    def _resume(self) -> None:
-        path = ckpt.find_resume(self.cfg.train.resume, self.ckpt_dir)
-        if path is None:
-            return
-        state = ckpt.load(path)
-        ckpt.restore_model(self.model, state, path, self.cfg.workload.name)
+    def _resume(self, state: dict, path: Path) -> None:
         try:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
         except (ValueError, KeyError) as e:
             raise UsageError(
                 f"checkpoint {path} has optimizer state that does not fit train.optimizer="
@@ -263,6 +262,7 @@ class Trainer:
             self.scaler.update()
             self.step += 1
             self.data_position += t.accum_steps
+            self.strategy.on_step_end(self.step)
             window_steps += 1
 
             if warm and self.step == warm_step:
@@ -321,7 +321,7 @@ class Trainer:
 
             state = {
                 "model": self.model.state_dict(),
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": self.strategy.optimizer_state_dict(self.optimizer),
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                 "step": self.step,
                 "data_position": self.data_position,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from job.strategies.balanced import BalancedStrategy
 from job.strategies.base import Strategy
 from job.strategies.ddp import DDPStrategy
 from job.strategies.dp import DataParallelStrategy
 
 REGISTRY: dict[str, type[Strategy]] = {
+    "balanced": BalancedStrategy,
     "dp": DataParallelStrategy,
     "ddp": DDPStrategy,
 }

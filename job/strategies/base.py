@@ -23,6 +23,7 @@ class Strategy:
 
     name = "base"
     multi_process = False
+    run_dir = None  # set by the trainer: where a strategy may keep state (balanced's calibrated split)
 
     def __init__(self, scfg, *, devices: list[torch.device], rank: int = 0, world_size: int = 1,
                  local_rank: int = 0):
@@ -48,12 +49,27 @@ class Strategy:
     def check(self, *, micro_batch: int) -> None:
         """Refuse batch sizes this strategy cannot split (UsageError with the arithmetic)."""
 
-    def setup(self, model: nn.Module, loss_fn) -> None:
+    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
         self.module, self.loss_fn = model, loss_fn
+        self.forward = torch.compile(model) if compile else model
+
+    def build_optimizer(self, factory):
+        """`factory(params)` builds the configured optimizer; strategies with replicas widen `params`."""
+        return factory(self.module.parameters())
+
+    def optimizer_state_dict(self, opt) -> dict:
+        """Optimizer state shaped as for the unwrapped model alone (what checkpoints store)."""
+        return opt.state_dict()
+
+    def load_optimizer_state_dict(self, opt, sd: dict) -> None:
+        opt.load_state_dict(sd)
+
+    def on_step_end(self, step: int) -> None:
+        """Called after each optimizer step (balanced calibrates its split here)."""
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean loss over this micro-batch (over all ranks' samples, after the gradient reduce)."""
-        return self.loss_fn(self.module(x), y)
+        return self.loss_fn(self.forward(x), y)
 
     def backward_sync(self, enabled: bool):
         """Context for one micro-step's forward/backward; enabled=False may skip gradient sync."""

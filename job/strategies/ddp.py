@@ -36,23 +36,24 @@ class DDPStrategy(Strategy):
     def local_batch(self, micro_batch: int) -> int:
         return micro_batch // self.world_size
 
-    def setup(self, model: nn.Module, loss_fn) -> None:
+    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
         super().setup(model, loss_fn)
-        self.forward = model
         if self.distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
-            self.forward = nn.parallel.DistributedDataParallel(
+            self.ddp = nn.parallel.DistributedDataParallel(
                 model, device_ids=ids, find_unused_parameters=self.cfg.find_unused_parameters,
                 gradient_as_bucket_view=True,
             )
-
-    def loss(self, x, y):
-        # Mean over the local slice; DDP averages gradients over equal slices = the global mean.
-        return self.loss_fn(self.forward(x), y)
+            # Compile the DDP-wrapped module: dynamo's DDPOptimizer splits graphs at bucket boundaries.
+            self.forward = torch.compile(self.ddp) if compile else self.ddp
+        elif compile:
+            self.forward = torch.compile(model)
+        # loss() is the base one: the mean over the local slice; DDP averages gradients over equal
+        # slices, which is the global mean.
 
     def backward_sync(self, enabled: bool):
         if self.distributed and not enabled:
-            return self.forward.no_sync()
+            return self.ddp.no_sync()
         return super().backward_sync(enabled)
 
     def all_gather_object(self, obj) -> list:

@@ -18,13 +18,10 @@ class DataParallelStrategy(Strategy):
     def check(self, *, micro_batch: int) -> None:
         check_at_least_one_per_card(self.name, micro_batch, len(self.devices))
 
-    def setup(self, model: nn.Module, loss_fn) -> None:
-        super().setup(model, loss_fn)
-        self.forward = model
+    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
+        super().setup(model, loss_fn, compile=compile)
         if self.device.type == "cuda" and len(self.devices) > 1:
             disable_cudnn_autotune(self.name, self.devices)
-            self.forward = nn.DataParallel(model, device_ids=[d.index for d in self.devices],
+            # Outputs are gathered on GPU 0 and the loss is computed there (base.loss): the stock recipe.
+            self.forward = nn.DataParallel(self.forward, device_ids=[d.index for d in self.devices],
                                            output_device=self.devices[0].index)
-
-    def loss(self, x, y):
-        return self.loss_fn(self.forward(x), y)  # outputs gathered on GPU 0, loss computed there
