@@ -435,3 +435,28 @@ def test_gpu_exporter_reports_every_card_by_uuid():
     check = subprocess.run([need_binary("promtool", "apt-get install prometheus"), "check", "metrics"], input=text,
                            capture_output=True, text=True, timeout=30)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+@requires_gpus(2)
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["dp", "ddp"])
+def test_gpu_two_cards_one_scrape(tmp_path, strategy):
+    """dp: one rank, an allocator series on each card; ddp: two ranks, each on its own card; one scrape."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    cards = sorted(devices.nvml_inventory(pynvml), key=lambda c: devices._pci_key(c.pci_bus_id))[:2]
+    port = free_port()
+    cmd = job_cmd("train", "workload=tiny", "train.device=cuda", f"strategy={strategy}", f"train.run_dir={tmp_path}",
+                  "train.run_id=two", "train.steps=100000", f"telemetry.port={port}")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ranks = {"0"} if strategy == "dp" else {"0", "1"}
+    try:
+        text = wait_for(f"http://127.0.0.1:{port}/metrics", _has_samples(ranks), proc, timeout=240)
+    finally:
+        stop(proc)
+    alloc = {(d["rank"], d["uuid"]) for d in named(text, "trainjob_torch_memory_peak_allocated_bytes")}
+    want = {("0", cards[0].uuid), ("0" if strategy == "dp" else "1", cards[1].uuid)}
+    assert alloc == want
+    assert {d["uuid"] for d in named(text, "trainjob_gpu_memory_used_bytes")} == {c.uuid for c in cards}
