@@ -250,7 +250,7 @@ class BalancedStrategy(Strategy):
 
         per_replica = [list(r.parameters()) for r in self._plain_replicas()]
         flats = []
-        for params, dev in zip(per_replica, self.devices):
+        for params in per_replica:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flats.append(_flatten_dense_tensors(grads))
         _allreduce_sum(flats, self.devices)
