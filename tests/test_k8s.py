@@ -42,6 +42,9 @@ PYTORCHJOB = K8S / "pytorchjob" / "pytorchjob.yaml"
 MANIFESTS = [JOB, MULTINODE, PYTORCHJOB]
 METRICS_PORT = 9401
 EXPORTER_PORT = 9400
+# Volume kinds the PodSecurity "restricted" profile allows.
+PSA_RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                          "projected", "secret"}
 TRAINER_LABELS = {"app.kubernetes.io/name": "trainjob", "app.kubernetes.io/component": "trainer"}
 
 
@@ -197,7 +200,13 @@ def test_security_context_is_restricted(rendered_with_exporter):
             assert psc["runAsNonRoot"] is True and psc["runAsUser"] != 0, tw
             assert psc["seccompProfile"]["type"] == "RuntimeDefault", tw
             assert spec.get("automountServiceAccountToken") is False, tw
+            # the PodSecurity "restricted" profile's pod-level rules
+            assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), tw
+            for v in spec.get("volumes", []):
+                kinds = set(v) - {"name"}
+                assert kinds <= PSA_RESTRICTED_VOLUMES, f"{tw}: volume {v['name']} of kind {kinds}"
             for c in all_containers(template):
+                assert not any("hostPort" in p for p in c.get("ports", [])), f"{tw}/{c['name']}"
                 sc = c["securityContext"]
                 assert sc["allowPrivilegeEscalation"] is False, f"{tw}/{c['name']}"
                 assert sc.get("privileged", False) is False, f"{tw}/{c['name']}"
