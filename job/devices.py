@@ -195,6 +195,12 @@ def resolve_visible(value: str, nvml) -> list[str]:
                 raise UsageError(f"{VISIBLE_VAR} entry `{e}` is an ambiguous prefix of {', '.join(hits)}; "
                                  "give more of the UUID")
             uuid = hits[0]
+        elif e.upper().startswith("MIG-GPU-"):  # pre-R470 form MIG-GPU-<uuid>/<gi>/<ci>: check the card
+            parent = e[4:].split("/", 1)[0]
+            if not any(c.uuid.lower() == parent.lower() for c in cards):
+                raise UsageError(f"{VISIBLE_VAR} entry `{e}` names card {parent}, which is not here; "
+                                 f"valid cards: {valid}")
+            uuid = e
         else:
             uuid = migs.get(e.lower())
             if uuid is None:

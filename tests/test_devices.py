@@ -91,6 +91,10 @@ def test_uuids_full_prefix_and_mig(scrambled):
     assert devices.resolve_visible("GPU-bb", scrambled) == [B]
     assert devices.resolve_visible("GPU-BBBB", scrambled) == [B]  # hex digits in either case
     assert devices.resolve_visible(f"{MIG},0", scrambled) == [MIG, B]
+    legacy = f"MIG-{C}/1/0"  # pre-R470 drivers: the card is checked, the instance numbers are not
+    assert devices.resolve_visible(legacy, scrambled) == [legacy]
+    with pytest.raises(UsageError, match="names card GPU-ffffffff-0000-0000-0000-000000000009, which is not here"):
+        devices.resolve_visible("MIG-GPU-ffffffff-0000-0000-0000-000000000009/1/0", scrambled)
 
 
 @pytest.mark.parametrize("value, needle", [
