@@ -204,3 +204,41 @@ def test_multinode_two_pods_train_together(tmp_path, which):
     assert (run / "checkpoints" / "step_00000003.pt").is_file(), sorted(run.rglob("*"))
     logs = "".join(log.read_text() for _, log in procs)
     assert "on CPU x 2 process(es)" in logs, logs  # one group over both "nodes"
+
+
+# torchrun SIGKILLs its workers this long after forwarding SIGTERM (torch's PContext.close default).
+TORCHRUN_SIGTERM_TIMEOUT_S = 30
+
+
+def test_multinode_sigterm_under_torchrun(tmp_path):
+    """One multi-node pod (torchrun, 2 CPU ranks) gets SIGTERM: the ranks checkpoint well inside
+    torchrun's 30 s, and torchrun itself exits 1, which is why the manifests' FailJob-on-2 rule
+    watches the check-config init container and preemption is matched by pod condition instead."""
+    docs = load_docs(K8S / "multinode" / "multinode.yaml")
+    job = one(docs, "Job")
+    template, name = job["spec"]["template"], job["metadata"]["name"]
+    meta = {"name": f"{name}-0-sig", "labels": {"batch.kubernetes.io/job-name": name},
+            "annotations": {"batch.kubernetes.io/job-completion-index": "0"}}
+    pod = LocalPod(template, docs, tmp_path, meta["name"], meta)
+    env = {"NNODES": "1", "GPUS_PER_NODE": "2", "MASTER_HOST": "127.0.0.1"}
+    log = tmp_path / "node0.log"
+    proc = start(pod, "trainer", CPU_OVERRIDE + ["train.steps=100000"], log, env, master_port=free_port())
+    try:
+        deadline = time.monotonic() + 120
+        while "step 2/" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "step 2/" in log.read_text(), log.read_text()
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=TORCHRUN_SIGTERM_TIMEOUT_S + 30)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    print(f"\nmulti-node container on CPU (torchrun, 2 ranks): SIGTERM -> exit {rc} in {took:.2f} s")
+    assert rc == 1 and "SignalException" in text, text[-3000:]
+    assert took < TORCHRUN_SIGTERM_TIMEOUT_S
+    ckpts = sorted((tmp_path / "pvc" / "trainjob-mn-runs" / name / "checkpoints").glob("*.pt"))
+    assert ckpts and int(ckpts[-1].stem.split("_")[1]) >= 2, text[-3000:]

@@ -16,10 +16,14 @@ import time
 
 from tests._k8s_helpers import K8S, LocalPod, load_docs, one
 from tests.conftest import requires_gpus
-from tests.test_k8s_contract import free_port, job_pod, metrics_port_override, scrape, start
-
-# torchrun SIGKILLs its workers this long after forwarding SIGTERM (torch's PContext.close default).
-TORCHRUN_SIGTERM_TIMEOUT_S = 30
+from tests.test_k8s_contract import (
+    TORCHRUN_SIGTERM_TIMEOUT_S,
+    free_port,
+    job_pod,
+    metrics_port_override,
+    scrape,
+    start,
+)
 
 
 def wait_for_samples(proc, port: int, log, minimum: float, timeout: float = 600) -> str:
