@@ -85,6 +85,18 @@ def test_kustomization_renders_job_and_monitoring(rendered):
     assert all("namespace" not in d["metadata"] for d in rendered)
 
 
+@pytest.mark.parametrize("path", [MULTINODE, PYTORCHJOB], ids=["multinode", "pytorchjob"])
+def test_multinode_kustomizations_add_only_monitoring(path, rendered):
+    """`kubectl apply -k k8s/<variant>` = the variant's file as is + the monitoring objects."""
+    out = render(path.parent)
+    monitoring = [d for d in rendered if d["apiVersion"].startswith("monitoring.coreos.com/")
+                  or d["metadata"].get("labels", {}).get("grafana_dashboard")]
+    raw = load_docs(path)
+    assert len(out) == len(raw) + len(monitoring)
+    for doc in raw + monitoring:
+        assert one(out, doc["kind"], doc["metadata"]["name"]) == doc
+
+
 def test_exporter_component_is_optional(rendered, rendered_with_exporter):
     assert not [d for d in rendered if d["kind"] == "DaemonSet"]
     ds = one(rendered_with_exporter, "DaemonSet", "trainjob-exporter")
