@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Build the stand-in images CI uses where no image registry is reachable (see docs/docker.md):
+#
+#   trainjob-standin/base        Debian 12 (debootstrap from the machine's apt mirror) + Python 3.11
+#                                venv at /opt/venv with a CPU build of torch (+ numpy, pip) that the
+#                                host's pip installs from this machine's local wheels. Passed as
+#                                BASE_IMAGE, like the pytorch/pytorch runtime image it stands in for.
+#   trainjob-standin/prometheus  the base + this machine's Debian prometheus binary, laid out like
+#                                prom/prometheus (ENTRYPOINT /bin/prometheus, user nobody, /prometheus).
+#
+# Usage: docker/build-base.sh            (DOCKER_HOST picks the engine; idempotent: an image whose
+#                                         cache-key label matches is kept)
+# Env:   VENV=.venv  MIRROR=<apt mirror URL>  WORK=<scratch dir>  DOCKER=docker
+#        PROMETHEUS_BIN=$(command -v prometheus)  TORCH_CPU_SPEC='torch==2.13.0+cpu'
+# Why a CPU wheel and not a copy of .venv's torch: .venv holds the CUDA build, which does not
+# import without ~4 GB of nvidia-* libraries; the CPU wheel is 190 MB (docs/docker.md, measured).
+# Prints the two image references on its last two lines.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DOCKER=${DOCKER:-docker}
+VENV=${VENV:-.venv}
+BASE_REPO=trainjob-standin/base
+PROM_REPO=trainjob-standin/prometheus
+SUITE=bookworm
+PY=$VENV/bin/python
+
+log() { printf '[build-base %3ds] %s\n' "$SECONDS" "$*" >&2; }
+
+[[ -x $PY ]] || { echo "error: $PY missing; run make setup first" >&2; exit 2; }
+PROMETHEUS_BIN=${PROMETHEUS_BIN:-$(command -v prometheus || true)}
+[[ -x $PROMETHEUS_BIN ]] || { echo "error: prometheus binary missing; apt-get install prometheus" >&2; exit 2; }
+command -v debootstrap >/dev/null || [[ -x /usr/sbin/debootstrap ]] ||
+  { echo "error: debootstrap missing; apt-get install debootstrap" >&2; exit 2; }
+
+# The mirror this machine's apt already uses (deb822 or one-line sources), else Debian's CDN.
+if [[ -z ${MIRROR:-} ]]; then
+  MIRROR=$(sed -n 's/^URIs:[[:space:]]*\([^[:space:]]*debian\/\{0,1\}\)$/\1/p' /etc/apt/sources.list.d/*.sources 2>/dev/null | head -n1)
+  [[ -n $MIRROR ]] || MIRROR=$(awk '$1=="deb" && $3=="'$SUITE'" {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+  MIRROR=${MIRROR:-http://deb.debian.org/debian}
+fi
+
+# A CPU-only torch that pip can install from this machine's wheels (the pip config's find-links).
+TORCH_CPU_SPEC=${TORCH_CPU_SPEC:-torch==2.13.0+cpu}
+PY_MINOR=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+[[ $PY_MINOR == 3.11 ]] || { echo "error: $PY is Python $PY_MINOR; Debian 12's python3 is 3.11 and the wheels must match" >&2; exit 2; }
+TORCH_VERSION=${TORCH_CPU_SPEC#*==}
+
+# Cache key: this script, the mirror, the torch spec, the prometheus binary.
+KEY=$( { cat docker/build-base.sh; echo "$MIRROR $SUITE $TORCH_CPU_SPEC"; sha256sum "$PROMETHEUS_BIN"; } |
+       sha256sum | cut -c1-16)
+BASE_IMAGE=$BASE_REPO:py$PY_MINOR-torch${TORCH_VERSION//+/-}-$KEY
+PROM_VERSION=$("$PROMETHEUS_BIN" --version 2>&1 | awk 'NR==1 {print $3}')
+PROM_IMAGE=$PROM_REPO:${PROM_VERSION//+/-}-$KEY
+
+have() { [[ $("$DOCKER" image inspect -f '{{index .Config.Labels "org.trainjob.standin.key"}}' "$1" 2>/dev/null) == "$KEY" ]]; }
+
+if have "$BASE_IMAGE"; then
+  log "cached: $BASE_IMAGE"
+else
+  WORK=${WORK:-$(mktemp -d /var/tmp/trainjob-standin.XXXXXX)}
+  ROOT=$WORK/rootfs
+  cleanup() { rm -rf "$WORK"; }
+  trap cleanup EXIT
+  log "debootstrap $SUITE from $MIRROR"
+  debootstrap --variant=minbase --include=python3 "$SUITE" "$ROOT" "$MIRROR" >"$WORK/debootstrap.log" 2>&1 ||
+    { tail -n 20 "$WORK/debootstrap.log" >&2; exit 1; }
+  # Slim the rootfs: apt caches and docs are not needed to run Python.
+  rm -rf "$ROOT"/var/cache/apt/archives/*.deb "$ROOT"/var/lib/apt/lists/* "$ROOT"/usr/share/doc/* \
+    "$ROOT"/usr/share/man/* "$ROOT"/usr/share/locale/*
+  log "venv at /opt/venv + $TORCH_CPU_SPEC numpy pip (host pip, local wheels)"
+  chroot "$ROOT" python3 -m venv --without-pip /opt/venv
+  DEST=$ROOT/opt/venv/lib/python$PY_MINOR/site-packages
+  "$PY" -m pip install -q --no-warn-conflicts --disable-pip-version-check --only-binary=:all: \
+    --target "$DEST" "$TORCH_CPU_SPEC" numpy pip 2>&1 | grep -v 'is ignored: it is neither' >&2 || true
+  "$PY" -c 'import sys; from pathlib import Path; sys.exit(not list(Path(sys.argv[1]).glob("torch-*.dist-info")))' "$DEST" ||
+    { echo "error: pip could not install $TORCH_CPU_SPEC; set TORCH_CPU_SPEC to a CPU torch wheel pip can find" >&2; exit 1; }
+  rm -rf "$DEST/bin" "$DEST/share"
+  # pip's console script, pointing at the venv's interpreter.
+  printf '#!/opt/venv/bin/python3\nimport sys\nfrom pip._internal.cli.main import main\nsys.exit(main())\n' \
+    >"$ROOT/opt/venv/bin/pip"
+  chmod 755 "$ROOT/opt/venv/bin/pip"
+  log "docker import $BASE_IMAGE ($(du -sh "$ROOT" | cut -f1))"
+  tar -C "$ROOT" -cf - . | "$DOCKER" import \
+    --change "ENV PATH=/opt/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
+    --change "ENV LANG=C.UTF-8" \
+    --change "LABEL org.trainjob.standin.key=$KEY" \
+    --change 'CMD ["python3"]' \
+    - "$BASE_IMAGE" >/dev/null
+  "$DOCKER" run --rm --network none "$BASE_IMAGE" python -c \
+    'import torch; assert torch.randn(2, 2).sum().isfinite(); print("stand-in torch", torch.__version__)' >&2
+fi
+
+if have "$PROM_IMAGE"; then
+  log "cached: $PROM_IMAGE"
+else
+  CTX=$(mktemp -d)
+  cp "$PROMETHEUS_BIN" "$CTX/prometheus"
+  cat >"$CTX/Dockerfile" <<EOF
+FROM $BASE_IMAGE
+COPY prometheus /bin/prometheus
+RUN mkdir -p /prometheus /etc/prometheus && chown nobody:nogroup /prometheus
+LABEL org.trainjob.standin.key=$KEY
+USER nobody
+WORKDIR /prometheus
+ENTRYPOINT ["/bin/prometheus"]
+CMD ["--config.file=/etc/prometheus/prometheus.yml", "--storage.tsdb.path=/prometheus"]
+EOF
+  log "docker build $PROM_IMAGE"
+  DOCKER_BUILDKIT=0 "$DOCKER" build -q --network host -t "$PROM_IMAGE" "$CTX" >/dev/null
+  rm -rf "$CTX"
+fi
+log "done"
+echo "$BASE_IMAGE"
+echo "$PROM_IMAGE"
