@@ -1,0 +1,138 @@
+"""A real Slurm cluster for tests (slurm/cluster.sh), and small functions submitted to it.
+
+Functions here are pickled by reference by submitit, so the jobs import this module: the cluster's
+environment puts tests/ on PYTHONPATH (sbatch exports the submitting environment to the job).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from contextlib import closing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, need_binary
+
+HINT = "apt-get install slurmctld slurmd slurm-client munge (.ci/setup.d/30-slurm.sh)"
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY", "BOOT_FAIL",
+        "DEADLINE"}
+# Small enough that a 2-rank gloo job on 2 CPU cores spends its time starting, not training.
+TINY = ["workload=tiny", "workload.width=8", "workload.image_size=16", "train.batch_size=16", "train.log_every=5"]
+
+
+@dataclass
+class Cluster:
+    dir: Path
+    nodes: int
+    env: dict = field(default_factory=dict)  # what a client of this cluster needs (SLURM_CONF, ...)
+
+    def run(self, *cmd: str, check: bool = True, timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(list(cmd), env={**self.env, **env}, capture_output=True, text=True, check=check,
+                              timeout=timeout)
+
+    def state(self, job_id: str) -> str:
+        r = self.run("squeue", "-h", "-j", str(job_id), "-t", "all", "-o", "%T", check=False)
+        return r.stdout.strip()
+
+    def wait(self, job_id: str, states: set[str], timeout: float = 120, *, what: str = "") -> str:
+        deadline = time.monotonic() + timeout
+        state = ""
+        while time.monotonic() < deadline:
+            state = self.state(job_id)
+            if state in states:
+                return state
+            time.sleep(0.3)
+        pytest.fail(f"job {job_id} {what} still {state or 'unknown'} after {timeout} s (wanted {sorted(states)})\n"
+                    + self.diagnostics())
+
+    def show(self, job_id: str) -> str:
+        return self.run("scontrol", "-d", "show", "job", str(job_id), check=False).stdout
+
+    def diagnostics(self) -> str:
+        out = [self.run("sinfo", "-N", check=False).stdout, self.run("squeue", "-t", "all", check=False).stdout]
+        for log in sorted((self.dir / "log").glob("*.log")):
+            out.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
+        return "\n".join(out)
+
+
+def _ports_free(first: int, n: int) -> bool:
+    for port in range(first, first + n):
+        with closing(socket.socket()) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def free_port_block(n: int) -> int:
+    for _ in range(50):
+        with closing(socket.socket()) as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + n < 65535 and _ports_free(first, n):
+            return first
+    raise RuntimeError(f"no block of {n} free ports on 127.0.0.1")
+
+
+def start_cluster(nodes: int, gpus: int = 2) -> Cluster:
+    for binary in ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "squeue"):
+        need_binary(binary, HINT)
+    # munged wants every parent directory world-executable: not pytest's 0700 tmp_path.
+    d = Path(tempfile.mkdtemp(prefix="jobtest-slurm-", dir="/tmp"))
+    env = {**os.environ, "NODES": str(nodes), "GPUS": str(gpus), "PORT": str(free_port_block(nodes + 1))}
+    r = subprocess.run(["bash", str(ROOT / "slurm/cluster.sh"), "up", str(d)], env=env, capture_output=True,
+                       text=True, timeout=120)
+    if r.returncode != 0:
+        shutil.rmtree(d, ignore_errors=True)
+        pytest.fail(f"slurm/cluster.sh up failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    client = {k: v for k, v in os.environ.items() if k not in ("NODES", "GPUS", "PORT")}
+    client.update(
+        SLURM_CONF=str(d / "slurm.conf"),
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep),
+        # Two ranks on two cores: one thread each, or they fight over the cores.
+        OMP_NUM_THREADS="1",
+    )
+    return Cluster(d, nodes, client)
+
+
+def stop_cluster(c: Cluster) -> None:
+    r = subprocess.run(["bash", str(ROOT / "slurm/cluster.sh"), "down", str(c.dir)], env=c.env,
+                       capture_output=True, text=True, timeout=120)
+    leftover = sorted(p.name for p in c.dir.glob("*.pid"))
+    shutil.rmtree(c.dir, ignore_errors=True)
+    assert r.returncode == 0 and not leftover, f"cluster.sh down: {r.stdout}{r.stderr} (pid files left: {leftover})"
+
+
+# -- functions run as submitit jobs ------------------------------------------------------------------
+def probe(sleep_s: float = 0.0) -> dict:
+    """What a task sees: the GPUs Slurm granted, its rank and node."""
+    time.sleep(sleep_s)
+    keys = ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_PROCID", "SLURMD_NODENAME", "SUBMITIT_EXECUTOR")
+    out = {k: os.environ.get(k) for k in keys}
+    # The controller's record of the cards this job holds (only shown while it runs).
+    show = subprocess.run(["scontrol", "-d", "show", "job", os.environ["SLURM_JOB_ID"]], capture_output=True,
+                          text=True, timeout=60).stdout
+    out["granted"] = granted_gpu_indices(show)
+    return out
+
+
+def granted_gpu_indices(scontrol_show: str) -> str:
+    """The IDX list of `scontrol -d show job` (e.g. `gpu:1(IDX:1)` -> "1"), comma-joined."""
+    import re
+
+    m = re.search(r"GRES=gpu(?::[^(]*)?\(IDX:([0-9,-]+)\)", scontrol_show)
+    if not m:
+        return ""
+    out = []
+    for part in m.group(1).split(","):
+        lo, _, hi = part.partition("-")
+        out += [str(i) for i in range(int(lo), int(hi or lo) + 1)]
+    return ",".join(out)

@@ -1,0 +1,200 @@
+"""job.submit against a real single-node Slurm 22.05 (slurmctld + slurmd + munged, 2 fake GPUs via gres).
+
+The module starts the cluster (slurm/cluster.sh up) and stops it at the end, pass or fail. No slurmdbd:
+job states come from squeue/scontrol, which keep finished jobs for MinJobAge=600 s.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import submitit
+from _slurm_helpers import DONE, TINY, probe, start_cluster, stop_cluster
+from conftest import ROOT, job_cmd
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+# Shared by the uninterrupted and the preempted ddp runs: same config, so the weights must match bit for bit.
+# Steps are long enough (~10 s on 2 cores) that the interruption lands mid-run. Every checkpoint is kept: the
+# one at step 8 is compared with a single process (float summation order makes runs drift apart later:
+# max |diff| 4e-6 after 10 steps, 3e-2 after 160, measured on CPU).
+CMP_STEP = 8
+DDP_RUN = [*TINY, "strategy=ddp", "workload.width=16", "workload.image_size=32", "train.batch_size=32",
+           "train.steps=160", "train.log_every=1", f"train.checkpoint_every={CMP_STEP}",
+           "train.keep_checkpoints=100", "train.device=cpu"]
+DDP_SUBMIT = ["submit.gpus_per_node=2", "submit.cpus_per_task=1", "submit.timeout_min=10",
+              "submit.signal_delay_s=30"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = start_cluster(nodes=1, gpus=2)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            for key in ("SLURM_CONF", "PYTHONPATH", "OMP_NUM_THREADS"):
+                mp.setenv(key, c.env[key])
+            yield c
+    finally:
+        stop_cluster(c)
+
+
+def submit_cli(cluster, tmp_path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        job_cmd("submit", f"submit.folder={tmp_path}/submitit/%j", f"train.run_dir={tmp_path}/runs", *args),
+        capture_output=True, text=True, cwd=ROOT, env=cluster.env, timeout=timeout,
+    )
+
+
+def job_id_of(stdout: str) -> str:
+    first = stdout.splitlines()[0]
+    assert first.startswith("submitted slurm job "), stdout
+    return first.split()[3].rstrip(":")
+
+
+def final_weights(run_dir, step: int | None = None):
+    import torch
+
+    ckpts = sorted((run_dir / "checkpoints").glob("step_*.pt"))
+    assert ckpts, f"no checkpoint in {run_dir}"
+    path = ckpts[-1] if step is None else run_dir / "checkpoints" / f"step_{step:08d}.pt"
+    return torch.load(path, map_location="cpu", weights_only=False)
+
+
+def test_submitit_job_sees_the_gpus_slurm_granted(cluster, tmp_path):
+    """A trivial submitit function: results come back, and CUDA_VISIBLE_DEVICES is the card Slurm granted."""
+    ex = submitit.SlurmExecutor(folder=tmp_path / "%j")
+    ex.update_parameters(time=5, gpus_per_node=1, cpus_per_task=1, ntasks_per_node=1)
+    holder = ex.submit(probe, 6.0)  # holds one card while the second job runs
+    cluster.wait(holder.job_id, {"RUNNING"})
+    second = ex.submit(probe)
+    cluster.wait(second.job_id, DONE)
+    cluster.wait(holder.job_id, DONE)
+    for job in (holder, second):
+        got = job.result()
+        assert got["SUBMITIT_EXECUTOR"] == "slurm" and got["SLURM_JOB_ID"] == job.job_id
+        assert got["granted"] and got["CUDA_VISIBLE_DEVICES"] == got["granted"], got
+    assert {holder.result()["CUDA_VISIBLE_DEVICES"], second.result()["CUDA_VISIBLE_DEVICES"]} == {"0", "1"}
+
+
+def test_bad_partition_is_refused_before_submission(cluster, tmp_path):
+    before = cluster.run("squeue", "-h", "-t", "all", "-o", "%i").stdout
+    r = submit_cli(cluster, tmp_path, "submit.partition=nosuch", "submit.cpus_per_task=1")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert r.stderr.startswith("error: Slurm refuses the job:") and "partition" in r.stderr.lower()
+    assert r.stderr.strip().count("\n") == 0, r.stderr
+    assert cluster.run("squeue", "-h", "-t", "all", "-o", "%i").stdout == before, "nothing may be submitted"
+    r = submit_cli(cluster, tmp_path, "submit.gpus_per_node=3", "submit.cpus_per_task=1")  # the node has 2
+    assert r.returncode == 2 and r.stderr.startswith("error: Slurm refuses the job:"), r.stderr
+
+
+def test_tiny_job_completes_and_reports(cluster, tmp_path):
+    r = submit_cli(cluster, tmp_path, *TINY, "strategy=dp", "train.steps=20", "submit.gpus_per_node=1",
+                   "submit.cpus_per_task=1", "submit.wait=true")
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = job_id_of(r.stdout)
+    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
+    assert f"run:    {run_dir}" in r.stdout and f"finished: exit 0 (run {run_dir})" in r.stdout
+    assert "step 20/20" in r.stdout, "submit.wait follows the job's log"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 20
+    result = submitit.SlurmJob(folder=tmp_path / "submitit" / "%j", job_id=job_id).result()
+    assert result == {"run_id": f"slurm-{job_id}", "run_dir": str(run_dir), "rank": 0, "exit_code": 0,
+                      "requeues": 0}
+    log = (tmp_path / "submitit" / job_id / f"{job_id}_0_log.err").read_text()
+    assert "CUDA_VISIBLE_DEVICES" not in log or "error" not in log.lower()
+    assert cluster.state(job_id) == "COMPLETED"
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory):
+    """The first CMP_STEP steps as one plain process: what a 2-rank run must reproduce (up to float order)."""
+    from job.config import load
+    from job.train import run
+
+    out = tmp_path_factory.mktemp("ref")
+    cfg = load([*DDP_RUN, "strategy=dp", f"train.steps={CMP_STEP}", f"train.run_dir={out}", "train.run_id=ref"])
+    assert run(cfg) == 0
+    return final_weights(out / "ref")
+
+
+@pytest.fixture(scope="module")
+def ddp_uninterrupted(cluster, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ddp")
+    r = submit_cli(cluster, tmp, *DDP_RUN, *DDP_SUBMIT, "submit.wait=true")
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = job_id_of(r.stdout)
+    return job_id, tmp / "runs" / f"slurm-{job_id}"
+
+
+def _assert_close(a: dict, b: dict, *, exact: bool) -> None:
+    import torch
+
+    assert a.keys() == b.keys()
+    for k in a:
+        if exact:
+            assert torch.equal(a[k], b[k]), f"{k} differs"
+        else:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_ddp_two_tasks_matches_single_process(cluster, ddp_uninterrupted, ddp_reference):
+    job_id, run_dir = ddp_uninterrupted
+    assert final_weights(run_dir)["step"] == 160
+    ckpt = final_weights(run_dir, CMP_STEP)
+    assert ckpt["step"] == ddp_reference["step"] == CMP_STEP
+    _assert_close(ckpt["model"], ddp_reference["model"], exact=False)
+    out = (run_dir.parent.parent / "submitit" / job_id)
+    assert (out / f"{job_id}_1_log.err").exists(), "one task (and log) per GPU"
+
+
+def _metric_steps(run_dir) -> list[int]:
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def test_preempted_job_requeues_and_ends_with_the_same_weights(cluster, tmp_path, ddp_uninterrupted):
+    """submitit's preemption path (SIGTERM + SIGUSR2 to every task): checkpoint, requeue, resume, finish."""
+    import time
+
+    r = submit_cli(cluster, tmp_path, *DDP_RUN, *DDP_SUBMIT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = job_id_of(r.stdout)
+    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
+    job = submitit.SlurmJob(folder=tmp_path / "submitit" / "%j", job_id=job_id, tasks=[0, 1])
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # wait until training is under way
+        if (run_dir / "metrics.jsonl").exists() and len(_metric_steps(run_dir)) >= 5:
+            break
+        assert cluster.state(job_id) not in DONE, cluster.diagnostics()
+        time.sleep(0.2)
+    job._interrupt()  # scancel --signal SIGTERM, then --signal USR2: what submitit does for preemption
+    interrupted_at = len(_metric_steps(run_dir))
+    cluster.wait(job_id, {"COMPLETED", "FAILED", "CANCELLED"}, timeout=240, what="after the interruption")
+    show = cluster.show(job_id)
+    assert "JobState=COMPLETED" in show and "Restarts=1" in show, show
+    results = job.results()
+    assert results[0]["exit_code"] == 0 and results[0]["requeues"] == 1, results
+    # Nothing lost or repeated: every step 1..160 logged exactly once across both attempts.
+    assert _metric_steps(run_dir) == list(range(1, 161))
+    log = (tmp_path / "submitit" / job_id / f"{job_id}_0_log.err").read_text()
+    assert "resumed from" in log, log[-3000:]
+    assert interrupted_at < 160, "the interruption must land before the end of training"
+    ckpt, ref = final_weights(run_dir), final_weights(ddp_uninterrupted[1])
+    assert ckpt["step"] == 160
+    _assert_close(ckpt["model"], ref["model"], exact=True)
+
+
+def test_plain_sbatch_script_trains(cluster, tmp_path):
+    """slurm/train.sbatch without submitit: srun + the same entry point, run id slurm-<job id>."""
+    r = cluster.run("sbatch", "--parsable", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1",
+                    f"--output={tmp_path}/%j.out", f"--chdir={ROOT}", str(ROOT / "slurm" / "train.sbatch"),
+                    *TINY, "strategy=dp", "train.steps=10", f"train.run_dir={tmp_path}/runs",
+                    check=False, PYTHON=sys.executable)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().split(";")[0]
+    state = cluster.wait(job_id, DONE, timeout=120)
+    out = (tmp_path / f"{job_id}.out").read_text()
+    assert state == "COMPLETED", out
+    assert json.loads((tmp_path / "runs" / f"slurm-{job_id}" / "summary.json").read_text())["steps"] == 10

@@ -1,0 +1,52 @@
+"""Multi-node DDP through submitit on a real two-node Slurm (two slurmd on this host, nodes n1 and n2)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+import submitit
+from _slurm_helpers import TINY, start_cluster, stop_cluster
+from conftest import ROOT, job_cmd
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+
+RUN = [*TINY, "strategy=ddp", "train.steps=8", "train.device=cpu"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = start_cluster(nodes=2, gpus=1)
+    try:
+        yield c
+    finally:
+        stop_cluster(c)
+
+
+def test_ddp_two_nodes_one_task_each_matches_single_process(cluster, tmp_path):
+    import torch
+
+    r = subprocess.run(
+        job_cmd("submit", *RUN, "submit.nodes=2", "submit.gpus_per_node=1", "submit.cpus_per_task=1",
+                f"submit.folder={tmp_path}/submitit/%j", f"train.run_dir={tmp_path}/runs", "submit.wait=true"),
+        capture_output=True, text=True, cwd=ROOT, env=cluster.env, timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr + cluster.diagnostics()
+    job_id = r.stdout.split()[3].rstrip(":")
+    results = submitit.SlurmJob(folder=tmp_path / "submitit" / "%j", job_id=job_id, tasks=[0, 1]).results()
+    assert [x["rank"] for x in results] == [0, 1] and {x["exit_code"] for x in results} == {0}
+    logs = [(tmp_path / "submitit" / job_id / f"{job_id}_{t}_log.err").read_text() for t in (0, 1)]
+    assert "node=0(2)" in logs[0] and "node=1(2)" in logs[1], "one task on each node"
+
+    from job.config import load
+    from job.train import run
+
+    assert run(load([*RUN, "strategy=dp", f"train.run_dir={tmp_path}/ref", "train.run_id=one"])) == 0
+
+    def final(run_dir):
+        return torch.load(sorted((run_dir / "checkpoints").glob("step_*.pt"))[-1], weights_only=False)
+
+    two, one = final(tmp_path / "runs" / f"slurm-{job_id}"), final(tmp_path / "ref" / "one")
+    assert two["step"] == one["step"] == 8
+    for k in one["model"]:
+        torch.testing.assert_close(two["model"][k], one["model"][k], rtol=1e-4, atol=1e-5, msg=k)

@@ -1,0 +1,49 @@
+"""`make submit EXECUTOR=local` on a machine without Slurm: submitit's local executor runs the same TrainJob."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+SLURM_TOOLS = {"sbatch", "srun", "scontrol", "squeue", "scancel", "sinfo", "sacct", "salloc"}
+
+
+def path_without_slurm(bin_dir: Path) -> str:
+    """A PATH holding every command of this machine except Slurm's client tools."""
+    bin_dir.mkdir()
+    for d in os.environ.get("PATH", "").split(os.pathsep):
+        if not d or not Path(d).is_dir():
+            continue
+        for exe in Path(d).iterdir():
+            target = bin_dir / exe.name
+            if exe.name not in SLURM_TOOLS and not target.exists() and os.access(exe, os.X_OK):
+                target.symlink_to(exe)
+    return str(bin_dir)
+
+
+@pytest.mark.slow
+def test_make_submit_local_without_slurm(tmp_path):
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make not installed")
+    env = {**os.environ, "PATH": path_without_slurm(tmp_path / "bin"), "OMP_NUM_THREADS": "1"}
+    env.pop("SLURM_CONF", None)
+    args = (f"workload.width=8 workload.image_size=16 train.batch_size=16 train.steps=10 train.log_every=5 "
+            f"train.run_dir={tmp_path}/runs submit.folder={tmp_path}/submitit/%j submit.wait=true")
+    # -o: use the existing .venv as is (the test must not reinstall it).
+    r = subprocess.run([make, "-s", "-o", ".venv/.stamp-setup", "submit", "STRATEGY=dp", "EXECUTOR=local",
+                        f"ARGS={args}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    m = re.search(r"^submitted local job (\d+):", r.stdout, re.M)
+    assert m, r.stdout
+    run_dir = tmp_path / "runs" / f"local-{m.group(1)}"
+    assert f"finished: exit 0 (run {run_dir})" in r.stdout
+    assert "step 10/10" in r.stdout, "submit.wait follows the job's log"
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 10
