@@ -174,13 +174,29 @@ class SubmitCfg:
 @dataclass
 class BenchCfg:
     strategies: list[str] = field(default_factory=lambda: ["dp", "balanced", "ddp"])
-    """Strategies to compare, each in a fresh process (a 1-GPU baseline is added)."""
-    steps: int = 30
-    """Timed steps per strategy."""
-    warmup: int = 5
-    """Untimed steps before timing."""
+    """Strategy presets to compare, each in a fresh `python -m job train` process (unregistered: skipped)."""
+    workloads: list[str] = field(default_factory=list)
+    """Workloads to bench, one table each (empty: the config's workload, i.e. workload=...)."""
+    steps: int = 50
+    """Timed optimizer steps per run."""
+    warmup: int = 10
+    """Untimed steps before timing (at least 1: the first steps include CUDA/cuDNN start-up)."""
+    baseline: str = "ddp"
+    """Strategy preset of the 1-card baseline (first visible card, global batch / cards); empty: none."""
+    cpu_procs: int = 2
+    """No GPU visible: the ddp process count, standing in for the card count (dp runs one process)."""
+    timeout_min: int = 30
+    """Wall-clock limit per run; a run over it is stopped and reported as failed."""
+    telemetry_overhead: bool = False
+    """Also run bench.telemetry_strategy with telemetry.port off and on (scraped) and compare step time."""
+    telemetry_strategy: str = "ddp"
+    """Strategy preset of the telemetry on/off comparison."""
+    telemetry_repeats: int = 1
+    """Off/on pairs of the telemetry comparison (alternating; the medians are compared)."""
+    scrape_interval_s: float = 1.0
+    """Telemetry comparison: seconds between scrapes of /metrics while the run trains."""
     out: str = ""
-    """Output folder (empty: runs/bench-<timestamp>)."""
+    """Output folder (empty: <train.run_dir>/bench-<UTC timestamp>)."""
 
 
 @dataclass
