@@ -1,0 +1,153 @@
+"""Grafana dashboards and provisioning, validated offline (Grafana has no server here).
+
+The live half (every query evaluated against the compose stack's Prometheus) is in tests/test_docker.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+
+import pytest
+import yaml
+
+from tests._dashboards_helpers import (
+    DASHBOARDS,
+    PROVISIONING,
+    ROOT,
+    dashboards,
+    label_values,
+    metric_names,
+    panel_queries,
+    provisioning,
+    substitute,
+    validate_dashboard,
+    variable_queries,
+    variables_used,
+)
+from tests.conftest import need_binary
+
+ALL = {"host": ".*", "run": ".*", "strategy": ".*", "datasource": "trainjob-prometheus"}
+
+
+def the_dashboard() -> dict:
+    return json.loads((DASHBOARDS / "trainjob.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DASHBOARDS.glob("*.json")))
+def test_dashboard_is_strictly_valid(name):
+    problems = validate_dashboard(json.loads((DASHBOARDS / name).read_text()))
+    assert problems == [], "\n".join(problems)
+
+
+def test_dashboard_uids_are_unique():
+    uids = [d["uid"] for d in dashboards().values()]
+    assert uids and len(uids) == len(set(uids)), uids
+
+
+# Each mutation of the real dashboard must be caught, naming the place: the validator can fail.
+MUTATIONS = {
+    "unknown top-level key": (lambda d: d.update(pannels=[]), "unknown key `pannels`"),
+    "unknown panel key": (lambda d: d["panels"][0].update(datasorce=d["panels"][0]["datasource"]),
+                          "unknown key `datasorce`"),
+    "panel without datasource": (lambda d: d["panels"][1].pop("datasource"), "missing key `datasource`"),
+    "panel without query": (lambda d: d["panels"][2].update(targets=[]), "needs at least one query"),
+    "empty query": (lambda d: d["panels"][2]["targets"][0].update(expr="  "), "empty query"),
+    "unknown target key": (lambda d: d["panels"][0]["targets"][0].update(exp="up"), "unknown key `exp`"),
+    "fixed datasource uid": (lambda d: d["panels"][3].update(datasource={"type": "prometheus", "uid": "x"}),
+                             "datasource must be"),
+    "metric outside the contract": (
+        lambda d: d["panels"][0]["targets"][0].update(expr="trainjob_gpu_mem_used_bytes"),
+        "metric `trainjob_gpu_mem_used_bytes` is not in DESIGN.md's contract"),
+    "undefined variable": (lambda d: d["panels"][0]["targets"][0].update(expr='up{job=~"$jobb"}'),
+                           "undefined variable $jobb"),
+    "unknown unit": (lambda d: d["panels"][0]["fieldConfig"]["defaults"].update(unit="gigabytes"),
+                     "`gigabytes` is not one of"),
+    "unknown panel type": (lambda d: d["panels"][0].update(type="graph"), "panel type `graph`"),
+    "overlapping panels": (lambda d: d["panels"][1]["gridPos"].update(x=0, y=0), "overlaps"),
+    "outside the grid": (lambda d: d["panels"][1]["gridPos"].update(x=20, w=8), "24 columns"),
+    "bad legend mode": (lambda d: d["panels"][0]["options"]["legend"].update(displayMode="tabel"),
+                        "`tabel` is not one of"),
+    "option of another panel type": (lambda d: d["panels"][0]["options"].update(reduceOptions={}),
+                                     "unknown key `reduceOptions`"),
+    "duplicate panel id": (lambda d: d["panels"][1].update(id=d["panels"][0]["id"]), "duplicate panel ids"),
+    "variable not label_values": (lambda d: d["templating"]["list"][1].update(query="up", definition="up"),
+                                  "is not label_values"),
+    "no datasource variable": (lambda d: d["templating"]["list"].pop(0), "needs the `datasource` variable"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MUTATIONS))
+def test_validator_rejects(case):
+    mutate, expected = MUTATIONS[case]
+    d = copy.deepcopy(the_dashboard())
+    mutate(d)
+    problems = validate_dashboard(d)
+    assert any(expected in p for p in problems), f"{case}: {expected!r} not in {problems}"
+
+
+def test_dashboard_shows_what_issue_5_asks_for():
+    d = the_dashboard()
+    queries = [(t, e) for t, _, e in panel_queries(d)]
+    legends = {t["legendFormat"] for p in d["panels"] for t in p["targets"] if t.get("legendFormat")}
+    used = set().union(*(metric_names(e) for _, e in queries))
+    # Per-card memory over time, by UUID with card name and index.
+    assert any("trainjob_gpu_memory_used_bytes" in e for _, e in queries)
+    assert any(all(f"{{{{{k}}}}}" in legend for k in ("uuid", "name", "gpu")) for legend in legends), legends
+    # GPU 0 versus the rest.
+    assert any('gpu="0"' in e and 'gpu!="0"' in e for _, e in queries)
+    # Per-rank allocator memory, throughput and step time, active alerts.
+    assert {"trainjob_torch_memory_allocated_bytes", "trainjob_torch_memory_reserved_bytes",
+            "trainjob_torch_memory_peak_allocated_bytes"} <= used
+    assert {"run:trainjob_samples:rate1m", "trainjob_step_seconds_bucket", "ALERTS"} <= used
+    # Variables for host, run and strategy, each one usable in the panels.
+    names = [n for n, _ in variable_queries(d)]
+    assert names == ["host", "run", "strategy"]
+    assert {"host", "run", "strategy"} <= set().union(*(variables_used(e) for _, e in queries))
+
+
+def test_every_query_parses_with_promtool(tmp_path):
+    """Offline: each panel query (variables as Grafana sends them for All) is a valid PromQL expression."""
+    promtool = need_binary("promtool", "apt-get install prometheus")
+    rules = []
+    for name, d in dashboards().items():
+        for i, (title, ref, expr) in enumerate(panel_queries(d)):
+            rules.append({"record": f"dashboard:q{i}_{ref}", "expr": substitute(expr, ALL),
+                          "labels": {"panel": f"{name}: {title}"}})
+        for var, query in variable_queries(d):
+            selector, _label = label_values(query)
+            rules.append({"record": f"dashboard:var_{var}", "expr": substitute(selector, ALL)})
+    path = tmp_path / "dashboard_queries.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "dashboards", "rules": rules}]}))
+    out = subprocess.run([promtool, "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(rules)} rules found" in out.stdout
+
+
+def test_metric_names_reads_only_metric_identifiers():
+    expr = ('histogram_quantile(0.95, sum by (run, le) (rate(trainjob_step_seconds_bucket{run=~"$run"}[5m])))\n'
+            'and on (run) trainjob_info{host=~"a|b"} / ignoring(x) up offset 5m')
+    assert metric_names(expr) == {"trainjob_step_seconds_bucket", "trainjob_info", "up"}
+    assert substitute('rate(x{run=~"$run"}[$__rate_interval])', {"run": "(a|b)"}) == 'rate(x{run=~"(a|b)"}[1m])'
+
+
+def test_provisioning_matches_compose_mounts():
+    prov = provisioning()
+    (ds,) = prov["datasources/prometheus.yml"]["datasources"]
+    assert ds["type"] == "prometheus" and ds["url"] == "${PROMETHEUS_URL}" and ds["isDefault"] is True
+    (provider,) = prov["dashboards/trainjob.yml"]["providers"]
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    grafana = compose["services"]["grafana"]
+    mounts = dict(v.rsplit(":", 1)[0].split(":", 1) for v in grafana["volumes"] if v.startswith("./"))
+    assert mounts["./monitoring/grafana/provisioning"] == "/etc/grafana/provisioning"
+    assert mounts["./monitoring/grafana/dashboards"] == provider["options"]["path"]
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert home.startswith(provider["options"]["path"] + "/")
+    assert (DASHBOARDS / home.rsplit("/", 1)[1]).is_file(), home
+    assert "PROMETHEUS_URL" in grafana["environment"]
+    # Anonymous viewers read only; the admin password has no default.
+    env = grafana["environment"]
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert env["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
+    assert (PROVISIONING / "datasources").is_dir() and (PROVISIONING / "dashboards").is_dir()
