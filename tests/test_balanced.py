@@ -185,9 +185,10 @@ def test_equivalence_on_two_cards(workload):
         with s.backward_sync(True):
             loss = s.loss(x, y)
             loss.backward()
-        torch.testing.assert_close(loss.double(), ref_loss.double(), rtol=1e-9, atol=1e-10)
+        # The losses cast logits to float32, so float32 rounding is the bar.
+        torch.testing.assert_close(loss.double(), ref_loss.double(), rtol=1e-6, atol=1e-7)
         for p, q in zip(s.replicas[1].parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad.cuda(0), q.grad, rtol=1e-7, atol=1e-9)
+            torch.testing.assert_close(p.grad.cuda(0), q.grad, rtol=1e-5, atol=1e-7)
     finally:
         s.teardown()
 
@@ -210,3 +211,41 @@ def test_lm_auto_split_evens_the_cards(tmp_path):
                                f"train.run_dir={tmp_path}", "train.run_id=lm"), cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0 and "not recalibrating" in p.stderr, p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("sizes", [[8, 8], [4, 4, 4], [0, 8, 8], [3, 3, 2, 2]])
+def test_calibration_trial_moves_samples(sizes):
+    s = _strategy(len(sizes), "auto", micro=sum(sizes))
+    shifted = s._shifted(sizes)
+    assert sum(shifted) == sum(sizes) and min(shifted) >= 0
+    assert shifted != sizes
+
+
+def test_auto_calibration_finds_the_even_peak_split_and_caches_it(tmp_path, monkeypatch):
+    """With a linear memory model (GPU 0 carries 6 samples' worth more), auto ends at equal peaks."""
+    s = _strategy(2, "auto", micro=16)
+    s.run_dir = tmp_path
+    spec, _, model, _, _ = _models("tiny")
+    s.setup(model, spec.loss)
+    try:
+        extra = [6.0, 0.0]
+        monkeypatch.setattr(s, "_peaks", lambda: [100.0 * (extra[k] + s.sizes[k]) for k in range(2)])
+        monkeypatch.setattr(s, "_reset_peaks", lambda: None)
+        assert s.sizes == [8, 8]
+        step = 0
+        while s._calib is not None:
+            step += 1
+            s.on_step_end(step)
+        assert s.sizes == [5, 11]  # 6 + 5 == 0 + 11
+        assert step == 1 + 3 * s.cfg.calibration_steps
+        cached = json.loads((tmp_path / "balanced_split.json").read_text())
+        assert cached["sizes"] == [5, 11] and cached["measured_peak_bytes"] == [1100.0, 1100.0]
+    finally:
+        s.teardown()
+    again = _strategy(2, "auto", micro=16)
+    again.run_dir = tmp_path
+    again.setup(model, spec.loss)
+    try:
+        assert again.sizes == [5, 11] and again._calib is None
+    finally:
+        again.teardown()

@@ -306,7 +306,7 @@ class BalancedStrategy(Strategy):
     def _shifted(self, sizes: list[int]) -> list[int]:
         """A second trial split: move a quarter of the largest share to the smallest."""
         hi = max(range(len(sizes)), key=lambda k: (sizes[k], -k))
-        lo = min(range(len(sizes)), key=lambda k: (sizes[k], k))
+        lo = min((k for k in range(len(sizes)) if k != hi), key=lambda k: (sizes[k], k))
         d = max(1, sizes[hi] // 4)
         new = list(sizes)
         new[hi] -= d
@@ -316,7 +316,9 @@ class BalancedStrategy(Strategy):
     def _choose(self) -> None:
         (sa, pa), (sb, pb) = self._calib["trials"]
         slopes = [(pb[k] - pa[k]) / (sb[k] - sa[k]) for k in range(len(sa)) if sb[k] != sa[k]]
-        slope = max(sum(slopes) / len(slopes), 1.0)
+        # Memory grows with samples; a flat or negative fit (noise, or a card with nothing to move)
+        # falls back to the smallest positive slope, which keeps the choice close to even.
+        slope = max(sum(slopes) / len(slopes), 1.0) if slopes else 1.0
         intercepts = [pa[k] - slope * sa[k] for k in range(len(sa))]
         self.sizes = best_split(self.micro_batch, intercepts, slope)
         predicted = [intercepts[k] + slope * self.sizes[k] for k in range(len(sa))]
