@@ -459,7 +459,7 @@ class Bench:
         n = self.cards
         runs = []
         label = "1gpu" if self.cuda else "1proc"
-        if self.b.baseline:
+        if self.b.baseline not in ("", "none"):
             if global_batch % n:
                 row = self._empty(label, "baseline", self.b.baseline)
                 row["reason"] = (f"global batch {global_batch} is not a multiple of {n} cards, so the 1-card "

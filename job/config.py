@@ -182,7 +182,7 @@ class BenchCfg:
     warmup: int = 10
     """Untimed steps before timing (at least 1: the first steps include CUDA/cuDNN start-up)."""
     baseline: str = "ddp"
-    """Strategy preset of the 1-card baseline (first visible card, global batch / cards); empty: none."""
+    """Strategy preset of the 1-card baseline (first visible card, global batch / cards); none: no baseline."""
     cpu_procs: int = 2
     """No GPU visible: the ddp process count, standing in for the card count (dp runs one process)."""
     timeout_min: int = 30
