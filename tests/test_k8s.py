@@ -464,6 +464,37 @@ def test_dashboards_equal_monitoring(rendered):
         assert size < 256 * 1024, f"{cm['metadata']['name']} is {size} bytes: too big for kubectl apply"
 
 
+def datasource_refs(node) -> list:
+    if isinstance(node, dict):
+        out = [node["datasource"]] if "datasource" in node else []
+        return out + [r for k, v in node.items() if k != "datasource" for r in datasource_refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in datasource_refs(v)]
+    return []
+
+
+def test_dashboards_load_through_the_grafana_sidecar(rendered):
+    """The sidecar copies the JSON into Grafana as is: no import-time `${DS_...}` inputs, every data
+    source is picked by a `datasource` variable (kube-prometheus-stack names its own), and uids
+    are unique (Grafana keys dashboards by uid)."""
+    maps = [d for d in rendered if d["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+    uids = []
+    for cm in maps:
+        for key, text in cm["data"].items():
+            dash = json.loads(text)
+            assert "__inputs" not in dash, f"{key}: exported for sharing; the sidecar cannot fill __inputs"
+            uids.append(dash["uid"])
+            variables = {v["name"] for v in dash.get("templating", {}).get("list", []) if v["type"] == "datasource"}
+            refs = datasource_refs(dash.get("panels", [])) + datasource_refs(dash.get("templating", {}))
+            for ref in refs:
+                uid = ref.get("uid") if isinstance(ref, dict) else ref
+                if isinstance(ref, dict) and ref.get("type") not in (None, "prometheus"):
+                    continue  # Grafana's built-in annotation source etc.
+                name = str(uid).strip("${}")
+                assert name in variables, f"{key}: data source {ref!r} is not a datasource variable {variables}"
+    assert len(uids) == len(set(uids))
+
+
 def test_sync_check_fails_on_drift(tmp_path, monkeypatch):
     """The freshness check can fail: a changed copy is reported with the refresh command."""
     sys.path.insert(0, str(K8S))
