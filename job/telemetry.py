@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
@@ -501,6 +502,10 @@ class TrainingTelemetry:
             self._httpd = None
         if self._merged is not None:
             self._merged.close()
+            try:  # the default per-port folder, once no rank is registered any more
+                self._merged.peer_dir.rmdir()
+            except OSError:
+                pass
 
     def __enter__(self):
         return self.start()
@@ -659,6 +664,7 @@ def bench_scrape(*, cards: int = 8, ranks: int = 8, scrapes: int = 200) -> dict[
             p.wait(timeout=30)
         if tel is not None:
             tel.close()
+        shutil.rmtree(peer_dir, ignore_errors=True)
     return {"cards": cards, "ranks": ranks, "scrapes": scrapes, "series": series, "bytes": len(body),
             "p50_ms": 1e3 * times[len(times) // 2], "p95_ms": 1e3 * times[int(len(times) * 0.95)],
             "max_ms": 1e3 * times[-1], "observe_step_us": observe_us}
@@ -724,6 +730,7 @@ def bench_overhead(*, blocks: int = 20, steps: int = 150, scrape_every: float = 
             thread.join()
     finally:
         tel.close()
+        shutil.rmtree(tcfg.peer_dir, ignore_errors=True)
     m_off, m_on = statistics.median(off), statistics.median(on)
     return {"step_ms_off": 1e3 * m_off, "step_ms_on": 1e3 * m_on, "overhead_pct": 100 * (m_on - m_off) / m_off,
             "blocks": blocks, "steps": steps, "scrape_every_s": scrape_every}
