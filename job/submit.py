@@ -201,28 +201,36 @@ class TrainJob(Checkpointable):
 
         devices.prepare_environment()
         cfg = load([*self.argv, f"train.run_id={self.run_id}"])
-        log.info("submitit %s: run %s, attempt %d", env, self.run_id, self.requeues + 1)
-        rc = train.run(cfg)
-        result = {"run_id": self.run_id, "run_dir": str(Path(cfg.train.run_dir) / self.run_id),
-                  "rank": env.global_rank, "exit_code": rc, "requeues": self.requeues}
-        if rc == EXIT_INTERRUPTED and _usr_sig() in _stop_signals(train):
-            self._requeue(env)  # rank 0: exits the process (or raises when out of requeues)
-        elif rc not in (EXIT_OK, EXIT_INTERRUPTED):
+        log.info("submitit %s: run %s (Slurm restarts %s, submitit requeues %d of %d)", env, self.run_id,
+                 os.environ.get("SLURM_RESTART_COUNT", "0"), self.requeues, self.max_requeues)
+        with _SignalsSeen() as seen:
+            rc = train.run(cfg)
+        if rc == EXIT_INTERRUPTED:
+            self._stopped(env, requeue=_usr_sig() in seen.signals | _stop_signals(train))
+        if rc != EXIT_OK:
             raise RuntimeError(f"trainer exited with code {rc} (run {self.run_id})")
-        return result
+        return {"run_id": self.run_id, "run_dir": str(Path(cfg.train.run_dir) / self.run_id),
+                "rank": env.global_rank, "exit_code": rc, "requeues": self.requeues}
 
-    def _requeue(self, env) -> None:
-        if env.global_rank != 0:
-            # Rank 0 requeues the whole job; no result file from this rank, so nobody reads this attempt
-            # as the job's outcome. SystemExit is not caught by submitit's process_job.
-            log.info("stopped for requeue; rank 0 requeues the job")
-            sys.exit(EXIT_INTERRUPTED)
-        handler = signal.getsignal(_usr_sig())
-        if not callable(handler):  # not under submitit's handlers (should not happen): end as interrupted
+    def _stopped(self, env, *, requeue: bool) -> None:
+        """The trainer finished its step, wrote the checkpoint and returned 75: end this attempt.
+
+        No rank leaves a result file for an interrupted attempt (SystemExit passes through submitit's
+        process_job), so a waiting client never mistakes it for the job's outcome.
+        """
+        if requeue and env.global_rank == 0:
+            handler = signal.getsignal(_usr_sig())
+            if callable(handler):
+                # submitit's own path: timed-out bookkeeping, self.checkpoint(), scontrol requeue, exit;
+                # raises UncompletedJobError (-> the job's error result) when out of requeues.
+                handler(_usr_sig(), None)
             log.warning("submitit's %s handler is not installed; not requeuing", submitit.JobEnvironment.USR_SIG)
-            return
-        # submitit's own path: has-timed-out bookkeeping, self.checkpoint(), scontrol requeue, exit.
-        handler(_usr_sig(), None)
+        elif requeue:
+            log.info("stopped for requeue; rank 0 requeues the job")
+        else:
+            log.warning("stopped by a signal other than %s (scancel, scontrol requeue): not requeuing here; Slurm "
+                        "decides whether the job runs again", submitit.JobEnvironment.USR_SIG)
+        sys.exit(EXIT_INTERRUPTED)
 
     def checkpoint(self, *args, **kwargs):
         """submitit calls this on rank 0 before requeuing; the trainer's checkpoint is already on disk."""
@@ -238,16 +246,57 @@ def _usr_sig() -> int:
     return submitit.JobEnvironment._usr_sig()
 
 
+class _SignalsSeen:
+    """The signals delivered to this process inside the `with`, whichever Python handler took them.
+
+    submitit's preemption path sends SIGTERM and then SIGUSR2 (both land within one training step), and only
+    SIGUSR2 means "requeue"; the trainer reports the signal that stopped it, which may be the SIGTERM. Python
+    writes every handled signal's number to the wakeup fd, so this sees both.
+    """
+
+    def __enter__(self) -> _SignalsSeen:
+        self.signals: set[int] = set()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        try:
+            self._prev = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: nothing to record
+            self._prev = None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._prev is not None:
+            signal.set_wakeup_fd(self._prev)
+        try:
+            while chunk := os.read(self._r, 4096):
+                self.signals.update(chunk)
+        except BlockingIOError:
+            pass
+        os.close(self._r)
+        os.close(self._w)
+
+
 def _stop_signals(train) -> set[int]:
+    """What the trainer says stopped it (job.train.stop_signals()/stop_signal(), whichever it has)."""
     if hasattr(train, "stop_signals"):
         return set(train.stop_signals())
-    sig = train.stop_signal() if hasattr(train, "stop_signal") else _usr_sig()
+    sig = train.stop_signal() if hasattr(train, "stop_signal") else None
     return {sig} if sig is not None else set()
 
 
 def _setup_logging(rank: int) -> None:
-    prefix = f"[rank{rank}] " if rank else ""
-    logging.basicConfig(level=logging.INFO, format=f"{prefix}%(message)s", stream=sys.stderr, force=True)
+    """The trainer's log lines ("job" logger) to the task's stderr, as `python -m job train` prints them.
+
+    Only the "job" logger: submitit's logger already has its handler, and the root one would print it twice.
+    """
+    job_log = logging.getLogger("job")
+    if not job_log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"[rank{rank}] %(message)s" if rank else "%(message)s"))
+        job_log.addHandler(handler)
+    job_log.setLevel(logging.INFO)
+    job_log.propagate = False
 
 
 # -- submitting -------------------------------------------------------------------------------------
@@ -318,19 +367,19 @@ def main(argv: list[str]) -> int:
 
 
 def follow(job, executor: str, *, poll_s: float = 2.0, out=sys.stdout) -> int:
-    """Print rank 0's log as it grows until the job ends; 0 done, 75 stopped, 1 failed."""
+    """Print rank 0's log as it grows until the job ends; 0 done, 1 failed or ended without a result."""
     offsets = {job.paths.stderr: 0, job.paths.stdout: 0}
     gone_since = None
     while True:
         _print_new(offsets, out)
-        if job.done():
+        if _finished(job, executor):
             break
         if executor == "slurm":
             state = slurm_state(job.job_id)
             if state in _DONE_STATES or state == "":
-                # Ended without a result file (killed, node failure): give the file system a moment.
+                # Ended without a result file (cancelled, killed): give the file system a moment.
                 gone_since = gone_since or time.monotonic()
-                if time.monotonic() - gone_since > 15:
+                if time.monotonic() - gone_since > 10:
                     break
             else:
                 gone_since = None
@@ -338,13 +387,20 @@ def follow(job, executor: str, *, poll_s: float = 2.0, out=sys.stdout) -> int:
     _print_new(offsets, out)
     try:
         results = job.results()
-    except Exception as e:  # the job's exception, or no result at all
-        print(f"job {job.job_id} failed: {_first_line(e)}", file=sys.stderr)
+    except Exception as e:  # the job's exception, or no result at all (cancelled, killed)
+        state = slurm_state(job.job_id) if executor == "slurm" else ""
+        print(f"job {job.job_id} ended{' ' + state if state else ''} without a result: {_first_line(e)}; "
+              f"logs: {job.paths.stderr}", file=sys.stderr)
         return 1
-    codes = [r.get("exit_code", 1) if isinstance(r, dict) else 1 for r in results]
-    worst = max(codes)
-    print(f"job {job.job_id} finished: exit {worst} (run {results[0].get('run_dir')})", file=out)
-    return worst if worst in (EXIT_OK, EXIT_INTERRUPTED) else 1
+    print(f"job {job.job_id} finished: exit 0 (run {results[0]['run_dir']})", file=out)
+    return EXIT_OK
+
+
+def _finished(job, executor: str) -> bool:
+    """Every task wrote its result file (Slurm: without asking sacct, which needs slurmdbd)."""
+    if executor != "slurm":
+        return job.done()
+    return all(job.task(t).paths.result_pickle.exists() for t in range(job.num_tasks))
 
 
 def slurm_state(job_id: str) -> str:

@@ -164,3 +164,40 @@ def test_signal_is_submitits_preemption_signal():
 
     assert submit._usr_sig() == signal.SIGUSR2
     assert "--signal=USR2@" in submit.sbatch_text(load([]))
+
+
+def test_requeues_are_bounded_and_keep_the_run_id():
+    """TrainJob.checkpoint (called by submitit on rank 0) counts requeues; at the bound it returns None,
+    which submitit turns into "not requeued" and the job's error result."""
+    import pickle
+
+    fn = submit.TrainJob(["train.steps=5"], run_id="slurm-7", multi_process=True, max_requeues=2)
+    for n in (1, 2):
+        delayed = fn.checkpoint()
+        assert delayed is not None and delayed.function is fn and fn.requeues == n
+    assert fn.checkpoint() is None and fn.requeues == 2
+    again = pickle.loads(pickle.dumps(fn))  # what the requeued job unpickles
+    assert (again.run_id, again.requeues, again.argv) == ("slurm-7", 2, ["train.steps=5"])
+
+
+def test_signals_seen_records_every_handled_signal():
+    """submitit's preemption sends SIGTERM then SIGUSR2; the requeue decision must see the SIGUSR2 even when the
+    trainer reports the SIGTERM that stopped it first."""
+    import signal
+    import time
+
+    got = []
+    old = {s: signal.signal(s, lambda n, _f: got.append(n)) for s in (signal.SIGTERM, signal.SIGUSR2)}
+    try:
+        with submit._SignalsSeen() as seen:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGUSR2)
+            time.sleep(0.05)
+        with submit._SignalsSeen() as quiet:
+            pass
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    assert got == [signal.SIGTERM, signal.SIGUSR2]
+    assert seen.signals == {signal.SIGTERM, signal.SIGUSR2} and quiet.signals == set()
+    assert signal.set_wakeup_fd(-1) == -1, "the previous wakeup fd is restored"
