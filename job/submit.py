@@ -196,6 +196,8 @@ class TrainJob(Checkpointable):
             # Ranks from submitit; CUDA_VISIBLE_DEVICES stays as Slurm granted it (the trainer picks
             # cuda:LOCAL_RANK among the visible cards).
             submitit.helpers.TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
+            if env.cluster == "local":  # one machine: loopback, however its hostname resolves
+                os.environ["MASTER_ADDR"] = "127.0.0.1"
         _setup_logging(env.global_rank)
         from job import devices, train
 
