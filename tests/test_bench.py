@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -140,6 +142,32 @@ def test_a_failing_run_is_reported_and_the_others_still_run(tmp_path):
     assert runs["dp"]["status"] == "ok" and runs["dp"]["scaling_note"] == "baseline skipped"
     assert "failed: ddp: micro-batch 16" in p.stdout
     assert_png(out / "bench.png")
+
+
+def test_sigterm_stops_the_current_run_and_writes_what_was_measured(tmp_path):
+    out = tmp_path / "s"
+    cmd = job_cmd("bench", *SMALL, f"bench.out={out}", "bench.warmup=2", "bench.steps=100000", "strategies=[dp]")
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    try:
+        log = out / "logs" / "tiny-1proc.log"
+        deadline = time.monotonic() + 120
+        while not (log.exists() and "step 2/" in log.read_text()):  # the trainer is in its loop
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 75, stdout + stderr
+    doc = json.loads((out / "bench.json").read_text())
+    validate(doc)
+    runs = runs_by_name(doc)
+    # The run got SIGTERM from the bench, checkpointed and exited 75; dp never started.
+    assert runs["1proc"]["status"] == "interrupted" and runs["1proc"]["exit_code"] == 75
+    assert runs["dp"]["status"] == "skipped" and "interrupted before" in runs["dp"]["reason"]
+    assert "== bench tiny" in stdout
 
 
 @pytest.mark.parametrize("args, message", [
