@@ -344,9 +344,9 @@ def main(argv: list[str]) -> int:
             print("# sbatch --test-only: accepted", file=sys.stderr)
         return EXIT_OK
     p = plan(cfg)
-    ex = make_executor(cfg, p)
     if p.executor == "slurm":
-        test_only(sbatch_text(cfg))
+        test_only(sbatch_text(cfg))  # the cluster's verdict before anything is written or submitted
+    ex = make_executor(cfg, p)
     fn = TrainJob(job_argv(argv, cfg), run_id=cfg.train.run_id, multi_process=p.multi_process,
                   max_requeues=cfg.submit.max_requeues)
     try:

@@ -88,6 +88,7 @@ def test_bad_partition_is_refused_before_submission(cluster, tmp_path):
     assert r.stderr.startswith("error: Slurm refuses the job:") and "partition" in r.stderr.lower()
     assert r.stderr.strip().count("\n") == 0, r.stderr
     assert cluster.run("squeue", "-h", "-t", "all", "-o", "%i").stdout == before, "nothing may be submitted"
+    assert not (tmp_path / "submitit").exists(), "nothing may be written before Slurm accepts the request"
     r = submit_cli(cluster, tmp_path, "submit.gpus_per_node=3", "submit.cpus_per_task=1")  # the node has 2
     assert r.returncode == 2 and r.stderr.startswith("error: Slurm refuses the job:"), r.stderr
 
