@@ -39,9 +39,11 @@ class SyntheticData:
         self.pool = pool
 
     def batch(self, ids: range) -> tuple[torch.Tensor, torch.Tensor]:
-        ids_t = torch.arange(ids.start, ids.stop, dtype=torch.int64)
+        # Made on the device: a copy from pageable host memory would stall the CPU until the GPU
+        # drained its queue, every micro-step.
+        ids_t = torch.arange(ids.start, ids.stop, dtype=torch.int64, device=self.x.device)
         # A fixed scramble so consecutive batches differ even when the pool is small.
-        idx = ((ids_t * 40503 + ids_t // self.pool) % self.pool).to(self.x.device, non_blocking=True)
+        idx = (ids_t * 40503 + ids_t // self.pool) % self.pool
         return self.x.index_select(0, idx), self.y.index_select(0, idx)
 
 

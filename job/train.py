@@ -155,6 +155,8 @@ class Trainer:
         else:  # per-rank stream for dropout etc.; a resumed run restores its own
             torch.manual_seed(t.seed + 1 + env.rank)
         self.batches = _batches(self)
+        self.clock = _Clock()
+        report.card_rows(self.devices, rank=env.rank)  # NVML start-up and card mapping, before any timing
         self.telemetry = None
         if cfg.telemetry.port:
             self.telemetry = self._start_telemetry()
@@ -239,11 +241,11 @@ class Trainer:
         log_every = t.log_every
         card_every = self.cfg.telemetry.log_every or t.log_every
         samples_per_step = t.batch_size
-        self.timed_from = None  # (step, time) after warm-up, for the final throughput
+        rank_samples = self.strategy.local_batch(self.micro_batch) * t.accum_steps
         warm = t.timing_warmup if t.timing_warmup >= 0 else min(10, max(1, (t.steps - self.step) // 10))
         warm_step = self.step + warm
         if warm == 0:
-            self.timed_from = (self.step, time.perf_counter())
+            self.clock.start(self.step)
         window_start, window_steps = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=self.device)
         last_loss = float("nan")
@@ -267,20 +269,25 @@ class Trainer:
 
             if warm and self.step == warm_step:
                 self._sync()
-                self.timed_from = (self.step, time.perf_counter())
-            logging_now = self.step % log_every == 0 or self.step == t.steps
-            if logging_now:
+                self.clock.start(self.step)
+            if self.step == t.steps:
+                self._sync()
+                self.clock.stop(self.step)
+            if self.step % log_every == 0 or self.step == t.steps:
                 self._sync()
                 now = time.perf_counter()
-                last_loss = self.strategy.mean(loss_sum.item() / window_steps)
-                rate = window_steps * samples_per_step / (now - window_start)
-                self._log_step(last_loss, rate, cards=self.step % card_every == 0 or self.step == t.steps)
+                with self.clock.paused():
+                    last_loss = self.strategy.mean(loss_sum.item() / window_steps)
+                    rate = window_steps * samples_per_step / (now - window_start)
+                    self._log_step(last_loss, rate, cards=self.step % card_every == 0 or self.step == t.steps)
                 loss_sum.zero_()
                 window_start, window_steps = now, 0
-            if self.telemetry is not None:
-                self.telemetry.observe_step(time.perf_counter() - step_start, samples_per_step, last_loss)
+            if self.telemetry is not None:  # samples this rank trained on, so a sum over ranks is right
+                self.telemetry.observe_step(time.perf_counter() - step_start, rank_samples, last_loss)
             if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.steps:
-                self.save_checkpoint()
+                self._sync()
+                with self.clock.paused():
+                    self.save_checkpoint()
             if self.strategy.any(_stop.is_set()):
                 return self.step < t.steps
         return False
@@ -336,10 +343,7 @@ class Trainer:
     def _finish(self) -> None:
         self._sync()
         t = self.cfg.train
-        throughput = 0.0
-        if self.timed_from and self.step > self.timed_from[0]:
-            steps = self.step - self.timed_from[0]
-            throughput = steps * t.batch_size / (time.perf_counter() - self.timed_from[1])
+        throughput = self.clock.rate(t.batch_size)
         rows = self._rows()
         if not self.is_main:
             return
@@ -364,6 +368,37 @@ class Trainer:
         del self.model, self.optimizer, self.batches
         gc.collect()
         launch.destroy_group()
+
+
+class _Clock:
+    """Training seconds between warm-up and the last step, minus logging and checkpoint writes (after a
+    device sync, so no GPU work is left out): what the final throughput divides by."""
+
+    def __init__(self):
+        self.start_step = self.end_step = None
+        self.t0 = self.t1 = self.excluded = 0.0
+
+    def start(self, step: int) -> None:
+        self.start_step, self.t0 = step, time.perf_counter()
+
+    def stop(self, step: int) -> None:
+        if self.start_step is not None:
+            self.end_step, self.t1 = step, time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.start_step is not None and self.end_step is None:
+                self.excluded += time.perf_counter() - t
+
+    def rate(self, samples_per_step: int) -> float:
+        if self.start_step is None or self.end_step is None or self.end_step <= self.start_step:
+            return 0.0
+        seconds = self.t1 - self.t0 - self.excluded
+        return (self.end_step - self.start_step) * samples_per_step / seconds if seconds > 0 else 0.0
 
 
 def _batches(tr: Trainer):

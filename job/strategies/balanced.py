@@ -15,7 +15,7 @@ What DataParallel does every step, and what this does instead:
 What remains uneven (the input batch arrives on GPU 0, which also hosts the loss scalars) is measured
 and corrected by the split: `strategy.gpu0_batch` = an int (0: GPU 0 computes nothing), a fraction, or
 `auto`: after one warm-up step, run `calibration_steps` steps at an even split and as many at a shifted
-one, fit per-card peak = intercept_k + slope x samples_k (one shared slope: the replicas are the same
+one (after one settling step: a new shape's first step allocates and autotunes), fit per-card peak = intercept_k + slope x samples_k (one shared slope: the replicas are the same
 model), and pick the integer split that minimises the largest predicted peak. Calibration steps are real
 training steps (the gradient does not depend on the split). The choice is logged with predicted and
 measured peaks and cached in the run directory, so a resumed run does not calibrate again.
@@ -278,6 +278,11 @@ class BalancedStrategy(Strategy):
         c = self._calib
         if c is None:
             return
+        if c.pop("settle", False):
+            # The first step at a new split allocates and (with cudnn.benchmark) autotunes for the new
+            # shapes: its peak is not the steady state, so measuring starts after it.
+            self._reset_peaks()
+            return
         c["left"] -= 1
         if c["left"] > 0:
             return
@@ -289,12 +294,11 @@ class BalancedStrategy(Strategy):
             c["trials"].append((list(self.sizes), self._peaks()))
             if len(c["trials"]) == 1:
                 self.sizes = self._shifted(self.sizes)
-                self._reset_peaks()
-                c["left"] = self.cfg.calibration_steps
+                c.update(left=self.cfg.calibration_steps, settle=True)
                 return
             self._choose()
-            self._reset_peaks()
-            c.update(phase="verify", left=self.cfg.calibration_steps)
+            self._release_cache()
+            c.update(phase="verify", left=self.cfg.calibration_steps, settle=True)
             return
         if c["phase"] == "verify":
             measured = self._peaks()
@@ -326,6 +330,14 @@ class BalancedStrategy(Strategy):
         log.info("balanced: auto split %s of micro-batch %d; per-sample %.1f MB; trials %s -> %s GB and %s -> "
                  "%s GB; predicted peaks %s GB", self.sizes, self.micro_batch, slope / 2**20, sa, _gb(pa), sb,
                  _gb(pb), _gb(predicted))
+
+    def _release_cache(self) -> None:
+        """Give back what the trial splits reserved, so reserved/NVML figures show the chosen split."""
+        for d in self.devices:
+            if d.type == "cuda":
+                with torch.cuda.device(d):
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
 
     def _reset_peaks(self) -> None:
         for d in self.devices:
