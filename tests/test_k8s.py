@@ -163,6 +163,16 @@ def test_roundtrip_catches_unknown_keys():
     assert roundtrip_prometheus_operator(pm) == [
         ".spec.podMetricsEndpoints[0].scrapeIntervall: unknown to the schema (dropped by the model)"
     ]
+    # the models carry the CRDs' enums and patterns too
+    pm = yaml.safe_load((K8S / "monitoring" / "podmonitor.yaml").read_text())
+    pm["spec"]["podMetricsEndpoints"][0]["relabelings"][0]["action"] = "replaced"
+    with pytest.raises(ValueError, match="relabelings.0.action"):
+        roundtrip_prometheus_operator(pm)
+    rule = yaml.safe_load(next((K8S / "monitoring" / "rules").glob("*.yaml")).read_text())
+    alerting = next(r for g in rule["spec"]["groups"] for r in g["rules"] if "for" in r)
+    alerting["for"] = "5 minutes"
+    with pytest.raises(ValueError, match="string_pattern_mismatch"):
+        roundtrip_prometheus_operator(rule)
     ptj = one(load_docs(PYTORCHJOB), "PyTorchJob")
     ptj["spec"]["runPolicy"]["backofLimit"] = 3
     assert ".spec.runPolicy.backofLimit: unknown to the schema (dropped by the model)" in roundtrip_kubeflow(ptj)
