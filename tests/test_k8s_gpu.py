@@ -101,3 +101,35 @@ def test_multinode_container_sigterm_fits_torchrun_limit(tmp_path):
           f"checkpoints {[p.name for p in ckpts]}")
     assert ckpts, log.read_text()[-4000:]
     assert took < TORCHRUN_SIGTERM_TIMEOUT_S, f"torchrun would have SIGKILLed the checkpoint ({took:.1f} s)"
+
+
+@requires_gpus(2)
+def test_multinode_two_pods_one_gpu_each_over_nccl(tmp_path):
+    """The Indexed Job's two pods, one card each (the device plugin's isolation stood in for by
+    CUDA_VISIBLE_DEVICES=<host index>), the LM from the multi-node ConfigMap, NCCL between them."""
+    docs = load_docs(K8S / "multinode" / "multinode.yaml")
+    job = one(docs, "Job")
+    template, name = job["spec"]["template"], job["metadata"]["name"]
+    port = free_port()
+    procs = []
+    try:
+        for index in range(2):
+            meta = {"name": f"{name}-{index}-gpu", "labels": {"batch.kubernetes.io/job-name": name},
+                    "annotations": {"batch.kubernetes.io/job-completion-index": str(index)}}
+            pod = LocalPod(template, docs, tmp_path, meta["name"], meta)
+            env = {"NNODES": "2", "GPUS_PER_NODE": "1", "CUDA_VISIBLE_DEVICES": str(index),
+                   "MASTER_HOST": "127.0.0.1"}
+            _, telemetry = metrics_port_override()
+            log = tmp_path / f"node{index}.log"
+            procs.append((start(pod, "trainer", ["train.steps=20", "train.log_every=5"] + telemetry, log, env,
+                                master_port=port), log))
+        for proc, log in procs:
+            assert proc.wait(timeout=900) == 0, log.read_text()[-4000:]
+    finally:
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    logs = "".join(log.read_text() for _, log in procs)
+    assert "2 processes x 1 GPU" in logs, logs[-4000:]  # one group across both "nodes"
+    assert (tmp_path / "pvc" / "trainjob-mn-runs" / name / "checkpoints" / "step_00000020.pt").is_file()
