@@ -5,7 +5,7 @@ For every workload (bench.workloads, or the config's one) the benchmark runs, on
      batch divided by the card count, so the per-card batch is the same as in the multi-card runs;
   2. every strategy of bench.strategies on all visible cards;
   3. with bench.telemetry_overhead, bench.telemetry_strategy with telemetry.port off, then on (and
-     scraped), bench.telemetry_repeats times.
+     scraped), bench.telemetry_repeats times; the strategy's own run in 2. is the first "off" run.
 Each run is `python -m job train` in a fresh process (its own session, so a timeout stops its ranks
 too), with the user's overrides (what the command line and --config changed against the workload's
 preset) written to overrides.yaml, plus the bench's own keys: steps, warm-up, no periodic checkpoint,
@@ -118,6 +118,8 @@ OVERHEAD_SCHEMA = _obj({
     "strategy": _STR,
     "repeats": _INT,
     "scrape_interval_s": _NUM,
+    "off_runs": {"type": "array", "items": _STR},
+    "on_runs": {"type": "array", "items": _STR},
     "off_step_s": {"type": "array", "items": _NUM},
     "on_step_s": {"type": "array", "items": _NUM},
     "off_median_step_s": _nullable(_NUM),
@@ -479,16 +481,26 @@ class Bench:
 
     def _telemetry_overhead(self, workload: str, runs: list[dict]) -> dict[str, Any]:
         s = self.b.telemetry_strategy
-        off, on, scrapes = [], [], 0
+        off, on, off_runs, on_runs, scrapes = [], [], [], [], 0
         for i in range(1, self.b.telemetry_repeats + 1):
-            a = self.run_one(workload, f"telemetry-off-{i}", "telemetry_off", s, extra=["telemetry.port=0"])
+            a = None
+            if i == 1 and not self.overrides.get("telemetry.port"):
+                # The strategy's own run just now had telemetry off and otherwise the same command: it is
+                # the first "off" run (one process fewer; with the default order it ran right before).
+                a = next((r for r in runs if r["kind"] == "strategy" and r["strategy"] == s
+                          and r["status"] == "ok"), None)
+            if a is None:
+                a = self.run_one(workload, f"telemetry-off-{i}", "telemetry_off", s, extra=["telemetry.port=0"])
+                runs.append(a)
             port = _free_port()
             z = self.run_one(workload, f"telemetry-on-{i}", "telemetry_on", s,
                              extra=[f"telemetry.port={port}", "telemetry.host=127.0.0.1"], scrape_port=port)
-            runs += [a, z]
+            runs.append(z)
             if a["status"] == "ok" and z["status"] == "ok":
                 off.append(a["step_s"])
                 on.append(z["step_s"])
+                off_runs.append(a["name"])
+                on_runs.append(z["name"])
                 scrapes += z["scrapes_ok"] or 0
         note = None
         if not off:
@@ -499,7 +511,7 @@ class Bench:
         off_m = statistics.median(off) if off else None
         on_m = statistics.median(on) if on else None
         return {"strategy": s, "repeats": self.b.telemetry_repeats, "scrape_interval_s": float(self.b.scrape_interval_s),
-                "off_step_s": off, "on_step_s": on, "off_median_step_s": off_m, "on_median_step_s": on_m,
+                "off_runs": off_runs, "on_runs": on_runs, "off_step_s": off, "on_step_s": on, "off_median_step_s": off_m, "on_median_step_s": on_m,
                 "overhead": (on_m / off_m - 1) if off else None, "scrapes_ok": scrapes, "note": note}
 
     # -- the whole benchmark --------------------------------------------------------------------

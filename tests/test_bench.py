@@ -70,7 +70,7 @@ def test_bench_tiny_end_to_end(tmp_path):
     # The table is printed last, one row per run, in order.
     table = p.stdout[p.stdout.index("== bench tiny"):].split("\n\n")[0]
     rows = [line.split()[0] for line in table.splitlines()[3:] if not line.startswith(("(", "telemetry overhead"))]
-    assert rows == ["1proc", "dp", "ddp", "nosuch", "telemetry-off-1", "telemetry-on-1"], table
+    assert rows == ["1proc", "dp", "ddp", "nosuch", "telemetry-on-1"], table
     assert "results:" in p.stdout.splitlines()[-1]
     assert "global batch 16, CPU, 2 ddp processes, 2 warm-up + 8 timed steps" in table
     assert "skipped: strategy `nosuch` is not registered" in table
@@ -89,7 +89,7 @@ def test_bench_tiny_end_to_end(tmp_path):
 
     runs = runs_by_name(doc)
     base, dp, ddp = runs["1proc"], runs["dp"], runs["ddp"]
-    for r in (base, dp, ddp, runs["telemetry-off-1"], runs["telemetry-on-1"]):
+    for r in (base, dp, ddp, runs["telemetry-on-1"]):
         assert r["status"] == "ok" and r["exit_code"] == 0, r
         assert r["samples_per_s"] > 0 and r["trainer_samples_per_s"] > 0 and r["timed_steps"] == 8
         assert abs(r["step_s"] * r["samples_per_s"] - r["batch_size"]) < 1e-6
@@ -116,7 +116,11 @@ def test_bench_tiny_end_to_end(tmp_path):
     o = w["telemetry_overhead"]
     on = runs["telemetry-on-1"]
     assert any(a.startswith("telemetry.port=") and a != "telemetry.port=0" for a in on["command"])
-    assert "telemetry.port=0" in runs["telemetry-off-1"]["command"]
+    # dp's own run (telemetry off, the same command otherwise) is the "off" side of the pair.
+    assert (o["off_runs"], o["on_runs"]) == (["dp"], ["telemetry-on-1"])
+    assert [a for a in on["command"] if not a.startswith(("telemetry.", "train.run_id="))] == \
+        [a for a in dp["command"] if not a.startswith("train.run_id=")]
+    assert o["off_step_s"] == [dp["step_s"]] and o["on_step_s"] == [on["step_s"]]
     assert on["scrapes_ok"] >= 1, on  # the exporter really served /metrics while it trained
     assert o["scrapes_ok"] == on["scrapes_ok"] and o["note"] is None
     assert o["overhead"] == pytest.approx(o["on_median_step_s"] / o["off_median_step_s"] - 1)
