@@ -312,6 +312,8 @@ def test_job_failure_policy_and_retries():
         spec, pod = job["spec"], job["spec"]["template"]["spec"]
         assert pod["restartPolicy"] == "Never", "podFailurePolicy requires restartPolicy Never"
         assert spec["backoffLimit"] >= 1
+        # the replacement waits for the old pod's SIGTERM checkpoint to finish (one writer at a time)
+        assert spec["podReplacementPolicy"] == "Failed"
         rules = spec["podFailurePolicy"]["rules"]
         names = {c["name"] for c in all_containers(job["spec"]["template"])}
         for rule in rules:
