@@ -284,6 +284,12 @@ def panel_queries(d: dict) -> list[tuple[str, str, str]]:
             for t in p.get("targets", []) if isinstance(t, dict)]
 
 
+def panel_targets(d: dict) -> list[tuple[str, dict]]:
+    """(panel title, target) of every query of every panel."""
+    return [(p.get("title", "?"), t) for p in d.get("panels", []) if isinstance(p, dict)
+            for t in p.get("targets", []) if isinstance(t, dict)]
+
+
 def variable_queries(d: dict) -> list[tuple[str, str]]:
     return [(v["name"], v["query"]) for v in d.get("templating", {}).get("list", [])
             if isinstance(v, dict) and v.get("type") == "query"]
@@ -346,3 +352,47 @@ def metric_names(expr: str) -> set[str]:
 def provisioning() -> dict[str, dict]:
     return {str(p.relative_to(PROVISIONING)): yaml.safe_load(p.read_text())
             for p in sorted(PROVISIONING.rglob("*.yml"))}
+
+
+# ------------------------------------------------------------------ live evaluation
+
+
+def evaluate_live(api, *, needs_data, timeout: float = 60.0) -> dict[str, dict[str, str]]:
+    """Run every dashboard's variable and panel queries against a live Prometheus, as Grafana would.
+
+    `api(path, **params) -> dict` calls Prometheus's HTTP API. Variables are resolved in order through
+    /api/v1/label/<label>/values (each must return values); panel queries are evaluated with the
+    variables' values and with All (.*): each must succeed, and those for which
+    `needs_data(metric_names(expr))` is true must return data within `timeout` seconds.
+    Returns {dashboard: {variable: regex value}}.
+    """
+    import time
+
+    chosen_all = {}
+    for name, d in dashboards().items():
+        chosen: dict[str, str] = {}
+        for var, query in variable_queries(d):
+            selector, label = label_values(query)
+            res = api(f"/api/v1/label/{label}/values", **{"match[]": substitute(selector, chosen)})
+            assert res.get("status") == "success" and res["data"], f"{name} ${var}: {res}"
+            chosen[var] = regex_value(res["data"])
+        for values in (chosen, dict.fromkeys(chosen, ".*")):
+            for title, target in panel_targets(d):
+                ref, expr = target["refId"], target["expr"]
+                promql = substitute(expr, values)
+                wanted = needs_data(metric_names(expr))
+                deadline = time.monotonic() + timeout
+                while True:
+                    res = api("/api/v1/query", query=promql)
+                    assert res.get("status") == "success", f"{name} `{title}` {ref}: {promql}\n{res}"
+                    if res["data"]["result"] or not wanted or time.monotonic() > deadline:
+                        break
+                    time.sleep(3)
+                assert res["data"]["result"] or not wanted, f"{name} `{title}` {ref} returned no data: {promql}"
+                # Every {{label}} of the legend is a label of every series the query returns.
+                legend = set(re.findall(r"\{\{\s*(\w+)\s*\}\}", target.get("legendFormat", "")))
+                for series in res["data"]["result"]:
+                    missing = legend - set(series["metric"])
+                    assert not missing, f"{name} `{title}` {ref}: legend labels {missing} absent from {series}"
+        chosen_all[name] = chosen
+    return chosen_all

@@ -31,16 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests._dashboards_helpers import (
-    TRAINING,
-    dashboards,
-    label_values,
-    metric_names,
-    panel_queries,
-    regex_value,
-    substitute,
-    variable_queries,
-)
+from tests._dashboards_helpers import TRAINING, evaluate_live
 from tests.conftest import IN_CI, ROOT, need_binary
 
 COMPOSE_FILES = ["-f", "docker-compose.yml", "-f", "docker-compose.ci.yml"]
@@ -437,26 +428,9 @@ def test_trainer_series_arrive_in_prometheus(stack):
 @pytest.mark.slow
 def test_every_dashboard_query_evaluates_live(stack):
     stack.wait_for('run:trainjob_samples:rate1m{run="ci"}', timeout=150)
-    for name, d in dashboards().items():
-        chosen: dict[str, str] = {}
-        for var, query in variable_queries(d):
-            selector, label = label_values(query)
-            res = stack.api(f"/api/v1/label/{label}/values", **{"match[]": substitute(selector, chosen)})
-            assert res["status"] == "success" and res["data"], f"{name} ${var}: {res}"
-            chosen[var] = regex_value(res["data"])
-        assert re.fullmatch(chosen["host"], NODE) and re.fullmatch(chosen["run"], "ci"), chosen
-        for values in (chosen, dict.fromkeys(chosen, ".*")):
-            for title, ref, expr in panel_queries(d):
-                promql = substitute(expr, values)
-                training = metric_names(expr) <= TRAINING
-                deadline = time.monotonic() + 60
-                while True:
-                    res = stack.query(promql)
-                    assert res.get("status") == "success", f"{name} `{title}` {ref}: {promql}\n{res}"
-                    if res["data"]["result"] or not training or time.monotonic() > deadline:
-                        break
-                    time.sleep(3)
-                assert res["data"]["result"] or not training, f"{name} `{title}` {ref} returned no data: {promql}"
+    chosen = evaluate_live(stack.api, needs_data=lambda metrics: metrics <= TRAINING)
+    for values in chosen.values():
+        assert re.fullmatch(values["host"], NODE) and re.fullmatch(values["run"], "ci"), values
 
 
 @pytest.mark.docker

@@ -1,0 +1,107 @@
+"""Every dashboard panel against a live Prometheus scraping a fake two-card node (no GPU here).
+
+The card and allocator panels have no series in a CPU run, so tests/test_docker.py can only check
+that they evaluate. Here the project's own telemetry serves a DataParallel-shaped node through its
+injectable sources (job.devices.FakeNvml for NVML, job.telemetry.FakeAllocator for torch's allocator:
+the two things that cannot run without a GPU), a real Prometheus scrapes it with the project's rules,
+and every panel must return data whose labels fill its legend, with the pile-up numbers it was given.
+tests/test_dashboards_gpu.py repeats this with real cards on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import threading
+import time
+import urllib.parse
+from types import SimpleNamespace
+
+import pytest
+
+from job import devices
+from job.telemetry import FakeAllocator, TrainingTelemetry
+from tests._dashboards_helpers import RULES, evaluate_live
+from tests._telemetry_helpers import free_port, get, stop
+from tests.conftest import need_binary
+
+GIB = 1 << 30
+
+
+class _Cuda:
+    type = "cuda"
+    index = 0
+
+
+@pytest.fixture
+def fake_dp_node(tmp_path):
+    """One dp process on two fake H200s: card 0 holds 140 GiB, card 1 30 GiB; allocator peaks 125/22 GiB."""
+    nv = devices.FakeNvml.h200s(2)
+    nv.cards[0].used, nv.cards[1].used = 140 * GIB, 30 * GIB
+    nv.nvmlInit()
+    cards = [devices.Card(i, c.uuid, c.pci_bus_id, i, c.name) for i, c in enumerate(nv.cards)]
+    alloc = FakeAllocator({0: (120 * GIB, 130 * GIB, 125 * GIB), 1: (20 * GIB, 25 * GIB, 22 * GIB)})
+    port = free_port()
+    tcfg = SimpleNamespace(port=port, host="127.0.0.1", log_every=0, peer_dir=str(tmp_path / "peers"))
+    tel = TrainingTelemetry(tcfg, run="fake-dp", strategy="dp", rank=0, local_rank=0, world_size=1,
+                            info={"workload": "lm"}, device=_Cuda(), nvml=nv, allocator=alloc, cards=cards).start()
+    done = threading.Event()
+
+    def train():  # steps keep coming so rates and the step-time histogram move
+        while not done.wait(0.1):
+            tel.observe_step(0.1, 16, 2.5)
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    try:
+        yield port, cards
+    finally:
+        done.set()
+        thread.join(5)
+        tel.close()
+
+
+@pytest.mark.prometheus
+def test_every_panel_has_data_for_a_fake_dp_node(tmp_path, fake_dp_node):
+    prometheus = need_binary("prometheus", "apt-get install prometheus")
+    port, cards = fake_dp_node
+    prom_port = free_port()
+    config = tmp_path / "prometheus.yml"
+    config.write_text(json.dumps({  # JSON is YAML; 1 s scrapes so rate(...[1m]) has points quickly
+        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        "rule_files": [str(RULES / "*.yml")],
+        "scrape_configs": [{"job_name": "trainjob", "static_configs": [{"targets": [f"127.0.0.1:{port}"]}]}],
+    }))
+    prom = subprocess.Popen([prometheus, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{prom_port}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.STDOUT)
+
+    def api(path: str, **params) -> dict:
+        try:
+            _code, body = get(f"http://127.0.0.1:{prom_port}{path}?{urllib.parse.urlencode(params, doseq=True)}")
+        except OSError as e:
+            return {"status": "unreachable", "error": str(e)}
+        return json.loads(body)
+
+    def value(expr: str) -> float:
+        (row,) = api("/api/v1/query", query=expr)["data"]["result"]
+        return float(row["value"][1])
+
+    try:
+        deadline = time.monotonic() + 60
+        while not api("/api/v1/query", query='run:trainjob_samples:rate1m{run="fake-dp"}').get("data", {}).get("result"):
+            assert prom.poll() is None, "prometheus exited"
+            assert time.monotonic() < deadline, "no rate for the fake run after 60 s"
+            time.sleep(1)
+        chosen = evaluate_live(api, needs_data=lambda metrics: "ALERTS" not in metrics, timeout=30)
+        assert chosen["trainjob.json"]["run"] == "fake-dp" and chosen["trainjob.json"]["strategy"] == "dp"
+        # The pile-up the panels must show: GPU 0 over the rest, and the allocator's max over min.
+        d = json.loads((RULES.parent.parent / "grafana" / "dashboards" / "trainjob.json").read_text())
+        by_title = {p["title"]: p["targets"][0]["expr"] for p in d["panels"]}
+        gpu0 = by_title["GPU 0 versus the rest: used bytes ratio"].replace("$host", ".*")
+        assert value(gpu0) == pytest.approx(140 / 30)
+        assert value('run:trainjob_torch_memory_peak_allocated:max_over_min{run="fake-dp"}') == pytest.approx(125 / 22)
+        assert {r["metric"]["uuid"] for r in api("/api/v1/query", query=by_title["Memory used per card"]
+                                                 .replace("$host", ".*"))["data"]["result"]} == {c.uuid for c in cards}
+    finally:
+        stop(prom)
