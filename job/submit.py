@@ -212,7 +212,8 @@ class TrainJob(Checkpointable):
         if rc != EXIT_OK:
             raise RuntimeError(f"trainer exited with code {rc} (run {self.run_id})")
         return {"run_id": self.run_id, "run_dir": str(Path(cfg.train.run_dir) / self.run_id),
-                "rank": env.global_rank, "exit_code": rc, "requeues": self.requeues}
+                "rank": env.global_rank, "exit_code": rc, "requeues": self.requeues,
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def _stopped(self, env, *, requeue: bool) -> None:
         """The trainer finished its step, wrote the checkpoint and returned 75: end this attempt.

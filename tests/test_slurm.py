@@ -94,7 +94,7 @@ def test_bad_partition_is_refused_before_submission(cluster, tmp_path):
 
 
 def test_tiny_job_completes_and_reports(cluster, tmp_path):
-    r = submit_cli(cluster, tmp_path, *TINY, "strategy=dp", "train.steps=20", "submit.gpus_per_node=1",
+    r = submit_cli(cluster, tmp_path, *TINY, "strategy=balanced", "train.steps=20", "submit.gpus_per_node=1",
                    "submit.cpus_per_task=1", "submit.wait=true")
     assert r.returncode == 0, r.stdout + r.stderr
     job_id = job_id_of(r.stdout)
@@ -104,8 +104,9 @@ def test_tiny_job_completes_and_reports(cluster, tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 20
     result = submitit.SlurmJob(folder=tmp_path / "submitit" / "%j", job_id=job_id).result()
+    # The one card Slurm granted (the only job running, so the first of the node's two), untouched.
     assert result == {"run_id": f"slurm-{job_id}", "run_dir": str(run_dir), "rank": 0, "exit_code": 0,
-                      "requeues": 0}
+                      "requeues": 0, "cuda_visible_devices": "0"}
     assert "step 20/20" in (tmp_path / "submitit" / job_id / f"{job_id}_0_log.err").read_text()
     assert cluster.wait(job_id, DONE, timeout=60) == "COMPLETED"
 

@@ -38,7 +38,7 @@ def test_make_submit_local_without_slurm(tmp_path):
     args = (f"workload.width=8 workload.image_size=16 train.batch_size=16 train.steps=10 train.log_every=5 "
             f"train.run_dir={tmp_path}/runs submit.folder={tmp_path}/submitit/%j submit.wait=true")
     # -o: use the existing .venv as is (the test must not reinstall it).
-    r = subprocess.run([make, "-s", "-o", ".venv/.stamp-setup", "submit", "STRATEGY=dp", "EXECUTOR=local",
+    r = subprocess.run([make, "-s", "-o", ".venv/.stamp-setup", "submit", "STRATEGY=balanced", "EXECUTOR=local",
                         f"ARGS={args}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     m = re.search(r"^submitted local job (\d+):", r.stdout, re.M)
