@@ -15,7 +15,9 @@ every rank finishes the step it is in, rank 0 writes the checkpoint, and `train.
 submitit's handlers restored. Then, and only if SIGUSR2 was among the signals, rank 0 runs submitit's
 handler itself: `TrainJob.checkpoint` (bounded by `submit.max_requeues`), `scontrol requeue`, exit. The
 requeued job keeps its job id, so `train.run_id=slurm-<job id>` is stable and `train.resume=auto` continues
-from the checkpoint. A plain `scancel` (SIGTERM only) checkpoints and ends the job without a requeue.
+from the checkpoint. Any other stop (scancel, an admin's `scontrol requeue`: SIGTERM) checkpoints and ends the
+attempt; Slurm decides whether the job runs again. An interrupted attempt leaves no result file, so a waiting
+client never reads it as the job's outcome. docs/slurm.md has the details and the tests.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import submitit
 from submitit.helpers import Checkpointable
 
 from job.config import load, split_args
-from job.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, UsageError
+from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
 
 log = logging.getLogger("job")
 # sbatch lines for every job: device order before CUDA starts (DESIGN.md: Device identity).
@@ -162,7 +164,7 @@ def sbatch_text(cfg, *, folder: Path | str | None = None, python: str | None = N
         raise UsageError(f"submitit rejects the Slurm parameters: {_first_line(e)}") from None
 
 
-def test_only(text: str) -> None:
+def check_with_slurm(text: str) -> None:
     """Slurm's verdict on the request without submitting it (`sbatch --test-only`); UsageError if refused."""
     r = subprocess.run(["sbatch", "--test-only"], input=text, capture_output=True, text=True, timeout=60)
     if r.returncode == 0:
@@ -341,12 +343,12 @@ def main(argv: list[str]) -> int:
         text = sbatch_text(cfg)
         print(text)
         if shutil.which("sbatch") and cfg.submit.executor != "local":
-            test_only(text)
+            check_with_slurm(text)
             print("# sbatch --test-only: accepted", file=sys.stderr)
         return EXIT_OK
     p = plan(cfg)
     if p.executor == "slurm":
-        test_only(sbatch_text(cfg))  # the cluster's verdict before anything is written or submitted
+        check_with_slurm(sbatch_text(cfg))  # the cluster's verdict before anything is written or submitted
     ex = make_executor(cfg, p)
     fn = TrainJob(job_argv(argv, cfg), run_id=cfg.train.run_id, multi_process=p.multi_process,
                   max_requeues=cfg.submit.max_requeues)
@@ -431,5 +433,3 @@ def _first_line(e: BaseException) -> str:
     lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
     return lines[0] if lines else type(e).__name__
 
-
-__all__ = ["EXIT_USAGE", "Plan", "TrainJob", "main", "plan", "sbatch_text", "slurm_parameters"]
