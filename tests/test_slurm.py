@@ -209,15 +209,22 @@ def test_preempted_and_requeued_job_ends_with_the_same_weights(cluster, tmp_path
     _assert_close(ckpt["model"], ref["model"], exact=True)
 
 
-def test_plain_sbatch_script_trains(cluster, tmp_path):
-    """slurm/train.sbatch without submitit: srun + the same entry point, run id slurm-<job id>."""
+def test_plain_sbatch_script_requeues_itself(cluster, tmp_path):
+    """slurm/train.sbatch without submitit: srun + the same entry point, run id slurm-<job id>; on SIGUSR2 (what
+    --signal=USR2@120 sends before the time limit) the trainer checkpoints, exits 75, the script requeues the job
+    and the next attempt resumes."""
+    run = [*DDP_RUN, "strategy=dp", "train.steps=120", f"train.run_dir={tmp_path}/runs"]
     r = cluster.run("sbatch", "--parsable", "--ntasks-per-node=1", "--gpus-per-node=1", "--cpus-per-task=1",
-                    f"--output={tmp_path}/%j.out", f"--chdir={ROOT}", str(ROOT / "slurm" / "train.sbatch"),
-                    *TINY, "strategy=dp", "train.steps=10", f"train.run_dir={tmp_path}/runs",
+                    f"--output={tmp_path}/%j.out", f"--chdir={ROOT}", str(ROOT / "slurm" / "train.sbatch"), *run,
                     check=False, PYTHON=sys.executable)
     assert r.returncode == 0, r.stderr
     job_id = r.stdout.strip().split(";")[0]
-    state = cluster.wait(job_id, DONE, timeout=120)
+    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
+    _wait_for_steps(cluster, job_id, run_dir, 5)
+    cluster.run("scancel", "--signal=USR2", job_id)
+    state = cluster.wait(job_id, DONE, timeout=180)
     out = (tmp_path / f"{job_id}.out").read_text()
-    assert state == "COMPLETED", out
-    assert json.loads((tmp_path / "runs" / f"slurm-{job_id}" / "summary.json").read_text())["steps"] == 10
+    assert state == "COMPLETED" and "Restarts=1" in cluster.show(job_id), out[-3000:]
+    assert f"requeueing job {job_id}" in out and "resumed from" in out, out[-3000:]
+    assert _metric_steps(run_dir) == list(range(1, 121))
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 120
