@@ -285,6 +285,15 @@ class _Scraper(threading.Thread):
         self.join(timeout=10)
 
 
+# Set by torchrun/Slurm for the process they started; a benchmark run must start as a plain command
+# (it starts its own ranks), not join the group of whoever started the benchmark.
+GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _plain_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in GROUP_VARS}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -378,7 +387,7 @@ class Bench:
         with open(log_path, "w") as logf:
             self.child = subprocess.Popen(
                 cmd, cwd=os.getcwd(), stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
+                env={**_plain_env(), **(env or {}), "PYTHONUNBUFFERED": "1"},
             )
             if scrape_port is not None:
                 scraper = _Scraper(f"http://127.0.0.1:{scrape_port}/metrics", self.b.scrape_interval_s)
@@ -524,6 +533,9 @@ class Bench:
             + OmegaConf.to_yaml(OmegaConf.create(_nest(self.overrides))))
         for w in self.workloads:  # refuse a bad workload or override before the first run starts
             config_mod.load(["--config", str(self.out / "overrides.yaml"), f"workload={w}"])
+        if any(k in os.environ for k in GROUP_VARS):
+            log.warning("bench: %s are set but ignored: each run starts its own ranks on this node",
+                        "/".join(k for k in GROUP_VARS if k in os.environ))
         where = (f"{self.cuda} GPU(s)" if self.cuda else
                  f"CPU ({self.cards} ddp processes stand in for cards; no GPU numbers here)")
         log.info("bench: %s, workloads %s, strategies %s, %d+%d steps -> %s", where, ",".join(self.workloads),
@@ -563,13 +575,15 @@ class Bench:
         return EXIT_OK
 
     def _on_signal(self, signum, _frame) -> None:
-        if not self.interrupted:
-            log.warning("bench: %s: stopping the current run, then writing what was measured",
-                        signal.Signals(signum).name)
+        """First signal: SIGTERM the current run (it checkpoints and exits); a second one: SIGKILL it."""
+        again = self.interrupted
+        log.warning("bench: %s: %s", signal.Signals(signum).name,
+                    "killing the current run" if again else
+                    "stopping the current run, then writing what was measured (again to kill it)")
         self.interrupted = True
         if self.child is not None and self.child.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.child.pid, signal.SIGTERM)
+                os.killpg(self.child.pid, signal.SIGKILL if again else signal.SIGTERM)
 
 
 def _check(b) -> None:

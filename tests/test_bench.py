@@ -33,9 +33,9 @@ SMALL = ["workload=tiny", "workload.width=8", "workload.image_size=16", "train.b
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def run_bench(out: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def run_bench(out: Path, *args: str, timeout: int = 300, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(job_cmd("bench", *SMALL, f"bench.out={out}", *args), cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+                          text=True, timeout=timeout, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", **(env or {})})
 
 
 def validate(doc: dict, *, required: bool = True) -> None:
@@ -133,9 +133,13 @@ def test_bench_tiny_end_to_end(tmp_path):
 def test_a_failing_run_is_reported_and_the_others_still_run(tmp_path):
     # 3 ddp processes cannot split a batch of 16: that run fails with the trainer's error line, the
     # baseline (16 / 3 cards) is skipped with the arithmetic, dp still runs; exit code 1.
+    # Started as rank 1 of a torchrun-like group: the runs must not inherit that (dp as rank 1 of 2
+    # would write no summary), each starts as a plain command.
     out = tmp_path / "f"
-    p = run_bench(out, "bench.warmup=1", "bench.steps=2", "bench.cpu_procs=3", "strategies=[ddp,dp]")
+    group = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
+    p = run_bench(out, "bench.warmup=1", "bench.steps=2", "bench.cpu_procs=3", "strategies=[ddp,dp]", env=group)
     assert p.returncode == 1, p.stdout + p.stderr
+    assert "RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT are set but ignored" in p.stderr
     doc = json.loads((out / "bench.json").read_text())
     validate(doc)
     assert doc["failed"] == 1
