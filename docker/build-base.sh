@@ -110,6 +110,11 @@ EOF
   DOCKER_BUILDKIT=0 "$DOCKER" build -q --network host -t "$PROM_IMAGE" "$CTX" >/dev/null
   rm -rf "$CTX"
 fi
+# Older stand-ins (another cache key) would pile up 1 GB each in a kept data root: drop them.
+for img in "$PROM_IMAGE" "$BASE_IMAGE"; do  # children first: an old prometheus stand-in sits on an old base
+  "$DOCKER" images --format '{{.Repository}}:{{.Tag}}' "${img%%:*}" | grep -vxF "$img" |
+    xargs -r "$DOCKER" rmi >/dev/null 2>&1 || true
+done
 log "done"
 echo "$BASE_IMAGE"
 echo "$PROM_IMAGE"

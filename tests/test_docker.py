@@ -378,6 +378,7 @@ def stack(engine, standin):
     finally:
         print(st.logs())
         st.compose("down", "-v", "--remove-orphans", "--timeout", "60", check=False, timeout=300)
+        engine.run("image", "prune", "-f", check=False, timeout=120)  # layers of earlier trainjob:ci builds
         left = engine.run("ps", "-aq", "--filter", f"label=com.docker.compose.project={project}", check=False)
         vols = engine.run("volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={project}",
                           check=False)
