@@ -186,11 +186,10 @@ def _validate_variable(p: Problems, v, where: str) -> None:
         if p.keys(v, where, common):
             p.need(v["query"] == "prometheus", where, "the datasource variable must list prometheus data sources")
         return
-    if not p.keys(v, where, common | {"datasource", "definition", "sort"}, {"allValue"}):
+    if not p.keys(v, where, common | {"datasource", "sort"}, {"allValue"}):
         return
     p.need(v["type"] == "query", where, "variables are `query` or `datasource`")
     p.need(v["datasource"] == DATASOURCE_REF, where, f"datasource must be {DATASOURCE_REF}")
-    p.need(v["query"] == v["definition"], where, "query and definition differ")
     p.need(label_values(v["query"]) is not None, where, f"query `{v['query']}` is not label_values(selector, label)")
     if v["includeAll"]:
         p.need(v.get("allValue") == ".*", where, "with includeAll, allValue must be .* (used with =~)")

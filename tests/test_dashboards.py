@@ -26,7 +26,7 @@ from tests._dashboards_helpers import (
     variable_queries,
     variables_used,
 )
-from tests.conftest import need_binary
+from tests.conftest import IN_CI, need_binary
 
 ALL = {"host": ".*", "run": ".*", "strategy": ".*", "datasource": "trainjob-prometheus"}
 
@@ -72,7 +72,7 @@ MUTATIONS = {
     "option of another panel type": (lambda d: d["panels"][0]["options"].update(reduceOptions={}),
                                      "unknown key `reduceOptions`"),
     "duplicate panel id": (lambda d: d["panels"][1].update(id=d["panels"][0]["id"]), "duplicate panel ids"),
-    "variable not label_values": (lambda d: d["templating"]["list"][1].update(query="up", definition="up"),
+    "variable not label_values": (lambda d: d["templating"]["list"][1].update(query="up"),
                                   "is not label_values"),
     "no datasource variable": (lambda d: d["templating"]["list"].pop(0), "needs the `datasource` variable"),
 }
@@ -151,3 +151,63 @@ def test_provisioning_matches_compose_mounts():
     assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
     assert env["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
     assert (PROVISIONING / "datasources").is_dir() and (PROVISIONING / "dashboards").is_dir()
+
+
+# ------------------------------------------------------------------ Grafana's own models
+
+
+def _sdk():
+    try:
+        import grafana_foundation_sdk  # noqa: F401
+    except ImportError:
+        if IN_CI:
+            pytest.fail("grafana-foundation-sdk missing in CI: it comes with the test extra")
+        pytest.skip("grafana-foundation-sdk not installed (pip install -e '.[test]')")
+    from grafana_foundation_sdk.cog.encoder import JSONEncoder
+
+    return lambda cls, data: json.loads(json.dumps(cls.from_json(data), cls=JSONEncoder))
+
+
+def _lost(before, after, path: str) -> list[str]:
+    """Keys of `before` that a round trip dropped or changed (defaults it added are fine)."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        return [p for k in before for p in ([f"{path}.{k}"] if k not in after else _lost(before[k], after[k], f"{path}.{k}"))]
+    if isinstance(before, list) and isinstance(after, list) and len(before) == len(after):
+        return [p for i, (b, a) in enumerate(zip(before, after, strict=True)) for p in _lost(b, a, f"{path}[{i}]")]
+    return [] if before == after else [f"{path}: {before!r} became {after!r}"]
+
+
+def grafana_round_trip_losses(d: dict) -> list[str]:
+    """What Grafana's published models (grafana-foundation-sdk) do not know in dashboard `d`."""
+    import importlib
+
+    round_trip = _sdk()
+    from grafana_foundation_sdk.models import dashboard, prometheus
+
+    lost = _lost(d, round_trip(dashboard.Dashboard, d), "dashboard")
+    for i, panel in enumerate(d.get("panels", [])):
+        kind = importlib.import_module(f"grafana_foundation_sdk.models.{panel['type']}")
+        where = f"panels[{i}] ({panel['title']})"
+        lost += _lost(panel["options"], round_trip(kind.Options, panel["options"]), f"{where}.options")
+        custom = panel["fieldConfig"]["defaults"].get("custom")
+        if custom is not None:
+            lost += _lost(custom, round_trip(kind.FieldConfig, custom), f"{where}.fieldConfig.defaults.custom")
+        for j, t in enumerate(panel["targets"]):
+            lost += _lost(t, round_trip(prometheus.Dataquery, t), f"{where}.targets[{j}]")
+    return lost
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in DASHBOARDS.glob("*.json")))
+def test_dashboard_keys_exist_in_grafanas_own_models(name):
+    """Every key written, down to panel options and Prometheus targets, survives Grafana's models."""
+    lost = grafana_round_trip_losses(json.loads((DASHBOARDS / name).read_text()))
+    assert lost == [], lost
+
+
+@pytest.mark.parametrize("where", ["dashboard", "panel", "options", "target"])
+def test_grafana_round_trip_catches_a_misspelt_key(where):
+    d = the_dashboard()
+    target = {"dashboard": d, "panel": d["panels"][0], "options": d["panels"][0]["options"],
+              "target": d["panels"][0]["targets"][0]}[where]
+    target["legendFromat"] = "x"
+    assert any(p.endswith(".legendFromat") for p in grafana_round_trip_losses(d)), where
