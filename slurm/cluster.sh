@@ -61,6 +61,9 @@ up() {
       getent hosts "$n" >/dev/null || die "$n does not resolve: add '127.0.0.1 n1 n2' to /etc/hosts (.ci/setup.d/30-slurm.sh does)"
     done
   fi
+  if [ -d "$DIR" ] && [ -n "$(ls -A "$DIR")" ] && [ ! -f "$DIR/slurm.conf" ]; then
+    die "$DIR is not empty and holds no slurm.conf: give a directory of its own (it is chmod 755'd and cleaned)"
+  fi
   mkdir -p "$DIR"
   DIR=$(cd "$DIR" && pwd)
   export SLURM_CONF="$DIR/slurm.conf"
