@@ -37,7 +37,10 @@ from tests.conftest import IN_CI, ROOT, need_binary
 COMPOSE_FILES = ["-f", "docker-compose.yml", "-f", "docker-compose.ci.yml"]
 FIXED_PORTS = (9400, 9401)  # the exporter and the trainer's metrics (monitoring/prometheus/targets/)
 GPUS = "1,0"  # what the CI stack asks the (fake) nvidia driver for: proves GPUS= reaches the engine
-NODE = "ci-node"  # TRAINJOB_HOST: the `host` label the dashboards filter on
+NODE = "ci-node"
+# The first test to use the stack also waits for its fixtures: stand-in images built from the network
+# (about 90-160 s measured, debootstrap is network-bound) plus the compose build and start.
+STACK_TIMEOUT = 1200  # TRAINJOB_HOST: the `host` label the dashboards filter on
 PRIVATE = re.compile(r"\b(10\.\d+\.\d+\.\d+|172\.(1[6-9]|2\d|3[01])\.\d+\.\d+|192\.168\.\d+\.\d+)\b")
 
 
@@ -395,6 +398,7 @@ def _ready(base: str) -> bool:
 
 @pytest.mark.docker
 @pytest.mark.slow
+@pytest.mark.timeout(STACK_TIMEOUT)
 def test_image_runs_the_cli_as_non_root(engine, stack):
     img = stack.image
     assert engine.run("run", "--rm", "--network", "none", "--entrypoint", "id", img, "-u").stdout.strip() == "10001"
@@ -409,6 +413,7 @@ def test_image_runs_the_cli_as_non_root(engine, stack):
 
 @pytest.mark.docker
 @pytest.mark.slow
+@pytest.mark.timeout(STACK_TIMEOUT)
 def test_trainer_series_arrive_in_prometheus(stack):
     samples = stack.wait_for('trainjob_samples_total{job="trainjob", run="ci"}')
     assert float(samples[0]["value"][1]) > 0
@@ -427,6 +432,7 @@ def test_trainer_series_arrive_in_prometheus(stack):
 
 @pytest.mark.docker
 @pytest.mark.slow
+@pytest.mark.timeout(STACK_TIMEOUT)
 def test_every_dashboard_query_evaluates_live(stack):
     stack.wait_for('run:trainjob_samples:rate1m{run="ci"}', timeout=150)
     chosen = evaluate_live(stack.api, needs_data=lambda metrics: metrics <= TRAINING)
@@ -436,6 +442,7 @@ def test_every_dashboard_query_evaluates_live(stack):
 
 @pytest.mark.docker
 @pytest.mark.slow
+@pytest.mark.timeout(STACK_TIMEOUT)
 def test_gpu_reservation_reaches_the_engine(stack):
     """The compose GPU reservation, with GPUS=, is what the nvidia device driver is asked for."""
     records = [json.loads(line) for line in stack.engine.hook_log.read_text().splitlines()]
@@ -450,6 +457,7 @@ def test_gpu_reservation_reaches_the_engine(stack):
 
 @pytest.mark.docker
 @pytest.mark.slow
+@pytest.mark.timeout(STACK_TIMEOUT)
 def test_stopping_the_trainer_checkpoints_and_exits_75(stack):
     stack.compose("stop", "--timeout", "120", "trainer", timeout=180)
     name = stack.container("trainer")
