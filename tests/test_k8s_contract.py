@@ -50,6 +50,8 @@ def job_pod(root: Path, pod_name: str) -> tuple[LocalPod, dict]:
 def start(pod: LocalPod, container: str, extra: list[str], log: Path, env_overrides=None,
           entrypoint=ENTRYPOINT, master_port: int | None = None) -> subprocess.Popen:
     argv, env = pod.command(container, entrypoint, env_overrides)
+    if any(a.startswith("telemetry.port=") for a in argv) and not any(a.startswith("telemetry.port=") for a in extra):
+        extra = [*extra, *metrics_port_override()[1]]  # the pod's 0.0.0.0:9401 is this host's: loopback, free port
     if master_port:  # a free port instead of the manifest's fixed 29500 (other tests run alongside)
         assert "--master-port=29500" in argv
         argv = [f"--master-port={master_port}" if a == "--master-port=29500" else a for a in argv]
@@ -222,7 +224,9 @@ def test_multinode_sigterm_under_torchrun(tmp_path):
     pod = LocalPod(template, docs, tmp_path, meta["name"], meta)
     env = {"NNODES": "1", "GPUS_PER_NODE": "2", "MASTER_HOST": "127.0.0.1"}
     log = tmp_path / "node0.log"
-    proc = start(pod, "trainer", CPU_OVERRIDE + ["train.steps=100000"], log, env, master_port=free_port())
+    _, telemetry = metrics_port_override()  # never the fixed 9401 on this host: loopback, a free port
+    proc = start(pod, "trainer", CPU_OVERRIDE + ["train.steps=100000"] + telemetry, log, env,
+                 master_port=free_port())
     try:
         deadline = time.monotonic() + 120
         while "step 2/" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
