@@ -79,7 +79,10 @@ def test_gpu_every_dashboard_panel_has_data(tmp_path):
     base = f"http://127.0.0.1:{prom_port}"
 
     def api(path: str, **params) -> dict:
-        code, body = get(f"{base}{path}?{urllib.parse.urlencode(params, doseq=True)}", timeout=10)
+        try:
+            _code, body = get(f"{base}{path}?{urllib.parse.urlencode(params, doseq=True)}", timeout=10)
+        except OSError as e:  # Prometheus still starting
+            return {"status": "unreachable", "error": str(e)}
         return json.loads(body)
 
     try:
