@@ -30,7 +30,9 @@ def _two_card_run(tmp_path, port: int) -> subprocess.Popen:
 
 
 def _ready(text: str) -> bool:
-    return 'gpu="1"' in text and "trainjob_torch_memory_peak_allocated_bytes{" in text
+    # Card 1's allocator series appears once DataParallel's first step has run a replica there; the
+    # NVML series of card 1 are there from the start, so they alone do not mean ready.
+    return 'gpu="1"' in text and text.count("trainjob_torch_memory_peak_allocated_bytes{") >= 2
 
 
 @requires_gpus(2)
