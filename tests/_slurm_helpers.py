@@ -112,9 +112,12 @@ def stop_cluster(c: Cluster) -> None:
 
 
 # -- functions run as submitit jobs ------------------------------------------------------------------
-def probe(sleep_s: float = 0.0) -> dict:
-    """What a task sees: the GPUs Slurm granted, its rank and node."""
-    time.sleep(sleep_s)
+def probe(hold_until: str = "", max_s: float = 120) -> dict:
+    """What a task sees: the GPUs Slurm granted, its rank and node. Keeps its allocation until the file
+    `hold_until` exists (at most max_s), so a test can run a second job next to it."""
+    deadline = time.monotonic() + max_s
+    while hold_until and not os.path.exists(hold_until) and time.monotonic() < deadline:
+        time.sleep(0.1)
     keys = ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_ID", "SLURM_PROCID", "SLURMD_NODENAME", "SUBMITIT_EXECUTOR")
     out = {k: os.environ.get(k) for k in keys}
     # The controller's record of the cards this job holds (only shown while it runs).

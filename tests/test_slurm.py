@@ -69,10 +69,12 @@ def test_submitit_job_sees_the_gpus_slurm_granted(cluster, tmp_path):
     """A trivial submitit function: results come back, and CUDA_VISIBLE_DEVICES is the card Slurm granted."""
     ex = submitit.SlurmExecutor(folder=tmp_path / "%j")
     ex.update_parameters(time=5, gpus_per_node=1, cpus_per_task=1, ntasks_per_node=1)
-    holder = ex.submit(probe, 6.0)  # holds one card while the second job runs
+    release = tmp_path / "release"
+    holder = ex.submit(probe, str(release))  # holds one card until the second job has run
     cluster.wait(holder.job_id, {"RUNNING"})
     second = ex.submit(probe)
     cluster.wait(second.job_id, DONE)
+    release.touch()
     cluster.wait(holder.job_id, DONE)
     for job in (holder, second):
         got = job.result()
