@@ -44,6 +44,8 @@ log = logging.getLogger("job")
 # sbatch lines for every job: device order before CUDA starts (DESIGN.md: Device identity).
 SETUP = ["export CUDA_DEVICE_ORDER=PCI_BUS_ID"]
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]*$")
+# After a stop without SIGUSR2: how long to wait for the SIGUSR2 that submitit's preemption sends after SIGTERM.
+USR2_GRACE_S = 3.0
 _DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE"}
 
@@ -233,6 +235,11 @@ class TrainJob(Checkpointable):
         elif requeue:
             log.info("stopped for requeue; rank 0 requeues the job")
         else:
+            # submitit's preemption sends SIGTERM and then SIGUSR2; if the trainer stopped on the SIGTERM before
+            # the SIGUSR2 arrived, give it a moment: submitit's handler (restored) then requeues from here.
+            deadline = time.monotonic() + USR2_GRACE_S
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
             log.warning("stopped by a signal other than %s (scancel, scontrol requeue): not requeuing here; Slurm "
                         "decides whether the job runs again", submitit.JobEnvironment.USR_SIG)
         sys.exit(EXIT_INTERRUPTED)

@@ -201,3 +201,27 @@ def test_signals_seen_records_every_handled_signal():
     assert got == [signal.SIGTERM, signal.SIGUSR2]
     assert seen.signals == {signal.SIGTERM, signal.SIGUSR2} and quiet.signals == set()
     assert signal.set_wakeup_fd(-1) == -1, "the previous wakeup fd is restored"
+
+
+def test_late_sigusr2_after_a_sigterm_stop_still_reaches_submitits_handler(monkeypatch):
+    """The trainer may stop on submitit's SIGTERM before its SIGUSR2 arrives: the attempt waits
+    USR2_GRACE_S for it, and submitit's (restored) handler takes it; without one it ends with exit 75."""
+    import signal
+    import threading
+    import types
+
+    monkeypatch.setattr(submit, "USR2_GRACE_S", 1.0)
+    fn = submit.TrainJob([], run_id="r", multi_process=False, max_requeues=1)
+    env = types.SimpleNamespace(global_rank=0)
+    calls = []
+    old = signal.signal(signal.SIGUSR2, lambda n, _f: calls.append(n))
+    try:
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+        with pytest.raises(SystemExit) as e:
+            fn._stopped(env, requeue=False)
+        assert e.value.code == 75 and calls == [signal.SIGUSR2]
+        with pytest.raises(SystemExit):  # nothing arrives: still ends as interrupted, after the grace time
+            fn._stopped(env, requeue=False)
+        assert calls == [signal.SIGUSR2]
+    finally:
+        signal.signal(signal.SIGUSR2, old)
