@@ -151,8 +151,10 @@ def test_ddp_two_tasks_matches_single_process(cluster, ddp_uninterrupted, ddp_re
     ckpt = final_weights(run_dir, CMP_STEP)
     assert ckpt["step"] == ddp_reference["step"] == CMP_STEP
     _assert_close(ckpt["model"], ddp_reference["model"], exact=False)
-    out = (run_dir.parent.parent / "submitit" / job_id)
-    assert (out / f"{job_id}_1_log.err").exists(), "one task (and log) per GPU"
+    results = submitit.SlurmJob(folder=run_dir.parent.parent / "submitit" / "%j", job_id=job_id,
+                                tasks=[0, 1]).results()
+    # One task per GPU; each sees the node's two granted cards as Slurm set them (it uses cuda:LOCAL_RANK).
+    assert [(x["rank"], x["cuda_visible_devices"]) for x in results] == [(0, "0,1"), (1, "0,1")], results
 
 
 def _metric_steps(run_dir) -> list[int]:

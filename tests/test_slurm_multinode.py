@@ -34,7 +34,8 @@ def test_ddp_two_nodes_one_task_each_matches_single_process(cluster, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr + cluster.diagnostics()
     job_id = r.stdout.split()[3].rstrip(":")
     results = submitit.SlurmJob(folder=tmp_path / "submitit" / "%j", job_id=job_id, tasks=[0, 1]).results()
-    assert [x["rank"] for x in results] == [0, 1] and {x["exit_code"] for x in results} == {0}
+    assert [(x["rank"], x["cuda_visible_devices"]) for x in results] == [(0, "0"), (1, "0")], results
+    assert {x["exit_code"] for x in results} == {0}
     logs = [(tmp_path / "submitit" / job_id / f"{job_id}_{t}_log.err").read_text() for t in (0, 1)]
     assert "node=0(2)" in logs[0] and "node=1(2)" in logs[1], "one task on each node"
 
