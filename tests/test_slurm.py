@@ -232,3 +232,26 @@ def test_plain_sbatch_script_requeues_itself(cluster, tmp_path):
     assert f"requeueing job {job_id}" in out and "resumed from" in out, out[-3000:]
     assert _metric_steps(run_dir) == list(range(1, 121))
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 120
+
+
+def test_max_requeues_bounds_the_requeues(cluster, tmp_path):
+    """submit.max_requeues=0: a SIGUSR2 still checkpoints, but the job is not requeued and ends with an error
+    result that says why; the checkpoint stays for a resubmission with the same train.run_id."""
+    r = submit_cli(cluster, tmp_path, *DDP_RUN, "strategy=balanced", "submit.max_requeues=0",
+                   "submit.gpus_per_node=1", "submit.cpus_per_task=1", "submit.timeout_min=10",
+                   "submit.signal_delay_s=30")
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = job_id_of(r.stdout)
+    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
+    _wait_for_steps(cluster, job_id, run_dir, 5)
+    cluster.run("scancel", "--signal=USR2", job_id)
+    cluster.wait(job_id, DONE, timeout=120)
+    assert "Restarts=0" in cluster.show(job_id)
+    job = submitit.SlurmJob(folder=tmp_path / "submitit" / "%j", job_id=job_id)
+    # submitit's timeout countdown (max_num_timeout=submit.max_requeues; a SIGUSR2 in a job of <= 10 min counts
+    # as a time-out) or TrainJob.checkpoint's own count refuses, whichever comes first.
+    with pytest.raises(submitit.core.utils.FailedJobError,
+                       match="Job not requeued because: (timed-out too many times|checkpoint function returned None)"):
+        job.result()
+    stopped = final_weights(run_dir)
+    assert 5 <= stopped["step"] < 160 and stopped["step"] == _metric_steps(run_dir)[-1]
