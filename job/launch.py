@@ -93,6 +93,9 @@ def spawn(cfg, nprocs: int) -> int:
         for rank in range(nprocs):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            # As torchrun does: ranks sharing a host must not each start a thread per core (CPU ranks
+            # ran 6x slower oversubscribed); an explicit OMP_NUM_THREADS wins.
+            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
             cmd = [sys.executable, "-m", "job", "train", "--config", cfg_path]
             procs.append(subprocess.Popen(cmd, env=env))
         log.info("ddp: started %d ranks (pids %s)", nprocs, " ".join(str(p.pid) for p in procs))
