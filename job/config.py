@@ -353,13 +353,35 @@ def load(argv: list[str]):
             raise UsageError(f"unknown {kind} `{name}`; choose one of: {', '.join(names)}")
         cfg = _merge(cfg, _read_yaml(CONF_DIR / kind / f"{name}.yaml", "preset"), f"conf/{kind}/{name}.yaml")
     cfg = _merge(cfg, user_file, f"--config {config_file}")
-    try:
-        cli = OmegaConf.from_dotlist(dotlist)
-    except Exception as e:
-        raise UsageError(f"cannot parse overrides {dotlist}: {_first_line(e)}; write key=value") from None
-    cfg = _merge(cfg, cli, "command line")
+    cfg = _merge(cfg, _parse_dotlist(cfg, dotlist), "command line")
+    # YAML 1.1 reads a bare `off`/`no`/`false` as a boolean; for train.amp it can only mean off.
+    if cfg.train.amp == "False":
+        cfg.train.amp = "off"
     validate(cfg)
     return cfg
+
+
+def _parse_dotlist(cfg, dotlist: list[str]):
+    """key=value overrides. A value for a string field is taken as written (YAML would turn `off`
+    into False and `1e3` into a float); other values are parsed as YAML, as OmegaConf does."""
+    from omegaconf import OmegaConf
+
+    parsed, raw = [], {}
+    for item in dotlist:
+        key, value = item.split("=", 1)
+        if isinstance(OmegaConf.select(cfg, key, default=None), str):
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+                value = value[1:-1]
+            raw[key] = value
+        else:
+            parsed.append(item)
+    try:
+        cli = OmegaConf.from_dotlist(parsed)
+    except Exception as e:
+        raise UsageError(f"cannot parse overrides {parsed}: {_first_line(e)}; write key=value") from None
+    for key, value in raw.items():
+        OmegaConf.update(cli, key, value, force_add=True)
+    return cli
 
 
 def validate(cfg) -> None:

@@ -47,6 +47,16 @@ def test_workload_preset_wins_over_strategy_preset():
     assert cfg.train.accum_steps == 4 and cfg.train.batch_size == 16
 
 
+def test_yaml_booleans_do_not_eat_string_values(tmp_path):
+    assert config.load(["train.amp=off"]).train.amp == "off"  # YAML 1.1 would read False
+    assert config.load(["train.amp='off'"]).train.amp == "off"
+    assert config.load(["train.run_id=1e3", "strategy.gpu0_batch=0.25"]).train.run_id == "1e3"
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  amp: off\n")
+    assert config.load(["--config", str(f)]).train.amp == "off"
+    assert config.load(["train.steps=7"]).train.steps == 7  # non-strings still parse as YAML
+
+
 def test_bench_strategies_alias():
     cfg = config.load(["strategies=[dp,ddp]"])
     assert list(cfg.bench.strategies) == ["dp", "ddp"]
