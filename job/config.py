@@ -261,6 +261,7 @@ def all_keys(node: Any = None, prefix: str = "") -> list[str]:
 
 
 def _read_yaml(path: Path, what: str):
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -268,9 +269,7 @@ def _read_yaml(path: Path, what: str):
         raise UsageError(f"{what} {path} does not exist; pass an existing YAML file")
     try:
         node = OmegaConf.load(path)
-    except (OmegaConfBaseException, ValueError, OSError) as e:  # yaml errors subclass ValueError here
-        raise UsageError(f"{what} {path} is not valid YAML ({_first_line(e)}); fix the file") from None
-    except Exception as e:  # yaml.YAMLError
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError, OSError) as e:
         raise UsageError(f"{what} {path} is not valid YAML ({_first_line(e)}); fix the file") from None
     if not OmegaConf.is_dict(node):
         raise UsageError(f"{what} {path} must hold a mapping of config sections, not a list or scalar")

@@ -141,6 +141,7 @@ class Trainer:
         self.model = model.to(self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp == "fp16")
         self.step, self.data_position = 0, 0
+        self._saved_step = -1
         # Weights are restored before the strategy wraps or replicates the model, the optimizer after
         # (its shape may depend on the strategy), RNG last.
         self.strategy.run_dir = self.run_dir
@@ -322,6 +323,8 @@ class Trainer:
             f.write(json.dumps(record) + "\n")
 
     def save_checkpoint(self) -> None:
+        if self._saved_step == self.step:  # a stop right after a periodic checkpoint: nothing new
+            return
         rngs = self.strategy.all_gather_object(ckpt.rng_state())
         if self.is_main:
             from omegaconf import OmegaConf
@@ -339,6 +342,7 @@ class Trainer:
             path = ckpt.save(self.ckpt_dir, self.step, state, keep=self.cfg.train.keep_checkpoints)
             log.info("checkpoint %s", path)
         self.strategy.barrier()
+        self._saved_step = self.step
 
     def _finish(self) -> None:
         self._sync()

@@ -161,6 +161,10 @@ class BalancedStrategy(Strategy):
         if compile:
             self.replicas = [torch.compile(r) for r in self.replicas]
         self.workers = [_Worker(f"balanced-{d}") for d in self.devices[1:]]
+        # Listed once: the per-step gradient reduce and buffer sync walk these, not the module trees.
+        plain = self._plain_replicas()
+        self._params = [list(r.parameters()) for r in plain]
+        self._buffers = [list(r.buffers()) for r in plain]
         if self.devices[0].type == "cuda" and len(self.devices) > 1:
             log.info("balanced: %d persistent replicas, one thread each: cudnn.benchmark stays %s "
                      "(each thread tunes once)", len(self.devices),
@@ -186,8 +190,8 @@ class BalancedStrategy(Strategy):
     def build_optimizer(self, factory):
         """One optimizer over every replica's parameters, one param group per replica (same settings):
         fused/foreach kernels run per device, and GradScaler sees every card's gradients."""
-        opt = factory([{"params": list(r.parameters())} for r in self._plain_replicas()])
-        self._n_params = len(list(self.module.parameters()))
+        opt = factory([{"params": params} for params in self._params])
+        self._n_params = len(self._params[0])
         return opt
 
     def optimizer_state_dict(self, opt) -> dict:
@@ -248,7 +252,7 @@ class BalancedStrategy(Strategy):
     def _allreduce_grads(self) -> None:
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        per_replica = [list(r.parameters()) for r in self._plain_replicas()]
+        per_replica = self._params
         flats = []
         for params in per_replica:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
@@ -265,7 +269,7 @@ class BalancedStrategy(Strategy):
         """BatchNorm running stats etc.: replica 0's win (as DDP's broadcast_buffers)."""
         if len(self.replicas) < 2:
             return
-        bufs = [list(r.buffers()) for r in self._plain_replicas()]
+        bufs = self._buffers
         if not bufs[0]:
             return
         with torch.no_grad():
