@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(cfg)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if not e.quiet:
+            print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except _oom_type() as e:
         first = str(e).splitlines()[0] if str(e) else "out of memory"

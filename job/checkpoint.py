@@ -1,7 +1,8 @@
 """Checkpoints: strategy-independent state, written atomically, found again by step number.
 
 A checkpoint is `<run>/checkpoints/step_XXXXXXXX.pt`, a dict with the unwrapped model state dict, the
-optimizer, the GradScaler, the step, the data position (global micro-batches consumed) and every rank's
+optimizer, the GradScaler, the step, the data position (`sample_position`: global samples consumed, so a
+resume under another split or accumulation continues with the same samples) and every rank's
 RNG states. It is written to a temporary file in the same folder, flushed to disk, then renamed over the
 final name: a crash mid-write leaves the previous checkpoints intact and no partial file under a
 checkpoint name.

@@ -25,11 +25,13 @@ CONF_DIR = Path(__file__).parent / "conf"
 class StrategyCfg:
     name: str = "ddp"
     """Registered strategy: dp | balanced | ddp (`python -m job train --help` lists them)."""
+    split: str = "auto"
+    """balanced/ddp: samples of each micro-batch per card (balanced) or per rank (ddp): auto (the memory
+    plan: each card's free memory and the job's measured cost per sample), even, or explicit shares in
+    card/rank order like 4,12 (they must sum to the micro-batch)."""
     gpu0_batch: str = "auto"
-    """balanced: GPU 0's share of each batch: an int (samples, 0 = GPU 0 only coordinates), a
-    fraction in (0, 1), or auto (calibrated from measured per-card peaks)."""
-    calibration_steps: int = 3
-    """balanced/auto: steps measured per candidate split before choosing."""
+    """balanced/ddp: card 0's (rank 0's) share alone, the others even: an int (samples; balanced allows 0 =
+    GPU 0 only coordinates), a fraction in (0, 1), or auto (follow strategy.split)."""
     nprocs: int = 0
     """ddp: processes to start when launched as a plain command (0 = one per visible GPU, 1 on CPU)."""
     backend: str = "auto"
@@ -125,6 +127,15 @@ class DataCfg:
 
 
 @dataclass
+class MemoryCfg:
+    margin_gb: float = 1.5
+    """Memory plan: GB per card kept free at the predicted peak (fragmentation, cuDNN workspaces, NCCL)."""
+    cap_gb: list[float] = field(default_factory=list)
+    """GB this job may use per card, e.g. to share a card: [] none, [a] every card, [a, b, ...] one per
+    visible card; enforced by the allocator and planned for."""
+
+
+@dataclass
 class TelemetryCfg:
     port: int = 0
     """Serve /metrics and /health on this port while training (0: off)."""
@@ -205,6 +216,7 @@ class Config:
     workload: WorkloadCfg = field(default_factory=WorkloadCfg)
     train: TrainCfg = field(default_factory=TrainCfg)
     data: DataCfg = field(default_factory=DataCfg)
+    memory: MemoryCfg = field(default_factory=MemoryCfg)
     telemetry: TelemetryCfg = field(default_factory=TelemetryCfg)
     submit: SubmitCfg = field(default_factory=SubmitCfg)
     bench: BenchCfg = field(default_factory=BenchCfg)
@@ -413,6 +425,11 @@ def validate(cfg) -> None:
                        "telemetry.log_every": cfg.telemetry.log_every}.items():
         if value < 0:
             raise UsageError(f"`{key}={value}` must not be negative")
+    m = cfg.memory
+    if not (0 <= m.margin_gb < 1e4):
+        raise UsageError(f"`memory.margin_gb={m.margin_gb}` must be between 0 and 10000 (GB kept free per card)")
+    if any(not (0 < c < 1e4) for c in m.cap_gb):
+        raise UsageError(f"`memory.cap_gb={list(m.cap_gb)}` must hold GB per card, each above 0; [] for no cap")
     if not 0 <= cfg.telemetry.port <= 65535:
         raise UsageError(f"`telemetry.port={cfg.telemetry.port}` is not a TCP port; use 1-65535, or 0 for off")
     if t.batch_size % t.accum_steps:

@@ -1,8 +1,9 @@
 """Batches: deterministic by position, so a resumed or re-split run sees exactly the same samples.
 
-A run consumes "global micro-batches" 0, 1, 2, ...: micro-batch g holds global sample ids
-g*B .. g*B+B-1 (B = train.batch_size / train.accum_steps). A process that trains a slice of it (a DDP
-rank) takes its contiguous share of those ids. The data position saved in a checkpoint is just g.
+A run consumes global sample ids 0, 1, 2, ... in micro-batches of B = train.batch_size / train.accum_steps. A process that trains a slice of it (a DDP
+rank) takes its contiguous share of those ids, whatever the split (even or uneven, job.memplan), so a run
+resumed under another split or accumulation sees the same samples. A checkpoint saves the number of
+samples consumed (`sample_position`).
 
 - synthetic: a pool of `data.synthetic_pool` random samples made once from the seed, kept on the
   device, and indexed by sample id; no host work per step, so it never limits GPU throughput.
@@ -18,11 +19,23 @@ import torch
 from job.models import Workload
 
 
-def sample_ids(g: int, micro_batch: int, *, rank: int = 0, world: int = 1) -> range:
-    """Global sample ids of this process's share of global micro-batch g."""
-    local = micro_batch // world
-    start = g * micro_batch + rank * local
-    return range(start, start + local)
+def sample_ids(g: int, micro_batch: int, *, offset: int = 0, count: int | None = None, base: int = 0) -> range:
+    """Global sample ids of this process's share of the g-th micro-batch after sample `base`: `count`
+    samples from position `offset` (a ddp rank's share under any split, job.memplan); all by default."""
+    start = base + g * micro_batch + offset
+    return range(start, start + (micro_batch if count is None else count))
+
+
+def probe_batch(spec: Workload, wcfg, n: int, *, device: torch.device, channels_last: bool):
+    """n random samples shaped like the real ones, made on the device (the memory plan's probes)."""
+    shape = spec.sample_shape(wcfg)
+    if spec.is_image:
+        x = _format(torch.randn((n, *shape), device=device), channels_last)
+        y = torch.randint(0, wcfg.num_classes, (n,), device=device)
+    else:
+        x = torch.randint(0, wcfg.vocab, (n, wcfg.seq_len), device=device)
+        y = torch.randint(0, wcfg.vocab, (n, wcfg.seq_len), device=device)
+    return x, y
 
 
 class SyntheticData:
@@ -74,26 +87,28 @@ class ImageFolderData:
 
 
 class _BatchSampler:
-    def __init__(self, data: ImageFolderData, *, start: int, micro_batch: int, rank: int, world: int):
-        self.data, self.start, self.mb, self.rank, self.world = data, start, micro_batch, rank, world
+    def __init__(self, data: ImageFolderData, *, start: int, micro_batch: int, offset: int, count: int):
+        self.data, self.start, self.mb, self.offset, self.count = data, start, micro_batch, offset, count
 
     def __iter__(self):
-        g = self.start
+        g = 0
         while True:
-            yield self.data.ids_to_indices(sample_ids(g, self.mb, rank=self.rank, world=self.world))
+            yield self.data.ids_to_indices(sample_ids(g, self.mb, offset=self.offset, count=self.count,
+                                                      base=self.start))
             g += 1
 
 
-def batches(spec: Workload, wcfg, dcfg, *, micro_batch: int, start: int, rank: int, world: int,
+def batches(spec: Workload, wcfg, dcfg, *, micro_batch: int, start: int, offset: int, count: int,
             seed: int, device: torch.device, channels_last: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless iterator of this process's (x, y) micro-batches from global micro-batch `start` on."""
+    """Endless iterator of this process's (x, y) micro-batches from global sample id `start` on:
+    `count` samples from position `offset` of each."""
     if dcfg.kind == "synthetic":
         data = SyntheticData(spec, wcfg, pool=dcfg.synthetic_pool, seed=seed, device=device)
 
         def gen():
-            g = start
+            g = 0
             while True:
-                x, y = data.batch(sample_ids(g, micro_batch, rank=rank, world=world))
+                x, y = data.batch(sample_ids(g, micro_batch, offset=offset, count=count, base=start))
                 yield _format(x, channels_last), y
                 g += 1
 
@@ -104,7 +119,7 @@ def batches(spec: Workload, wcfg, dcfg, *, micro_batch: int, start: int, rank: i
     folder = ImageFolderData(wcfg, path=dcfg.path, seed=seed)
     loader = DataLoader(
         folder.dataset,
-        batch_sampler=_BatchSampler(folder, start=start, micro_batch=micro_batch, rank=rank, world=world),
+        batch_sampler=_BatchSampler(folder, start=start, micro_batch=micro_batch, offset=offset, count=count),
         num_workers=dcfg.workers,
         pin_memory=device.type == "cuda",
         persistent_workers=dcfg.workers > 0,

@@ -14,8 +14,10 @@ log = logging.getLogger("job")
 MB = 1024 * 1024
 
 
-def card_rows(devices: list[torch.device], *, rank: int) -> list[dict]:
-    """One row per CUDA device this process drives; [] on CPU."""
+def card_rows(devices: list[torch.device], *, rank: int, plan_cards=None) -> list[dict]:
+    """One row per CUDA device this process drives; [] on CPU. `plan_cards` (job.memplan, same order as
+    `devices`) adds each card's planned samples and its headroom: the memory the card had for this job
+    when it planned (free + already held) minus this job's peak reserved, i.e. what was still free at peak."""
     if not devices or devices[0].type != "cuda":
         return []
     from job import devices as devmod
@@ -26,8 +28,10 @@ def card_rows(devices: list[torch.device], *, rank: int) -> list[dict]:
         log.warning("could not map CUDA devices to NVML cards: %s", e)
         cards = {}
     rows = []
-    for d in devices:
+    for i, d in enumerate(devices):
         card = cards.get(d.index)
+        plan = plan_cards[i] if plan_cards else None
+        reserved = torch.cuda.max_memory_reserved(d)
         mem = devmod.card_memory(card) if card is not None else None
         props = torch.cuda.get_device_properties(d)
         rows.append({
@@ -38,9 +42,12 @@ def card_rows(devices: list[torch.device], *, rank: int) -> list[dict]:
             "pci_bus_id": card.pci_bus_id if card else "",
             "allocated_bytes": torch.cuda.memory_allocated(d),
             "peak_allocated_bytes": torch.cuda.max_memory_allocated(d),
-            "peak_reserved_bytes": torch.cuda.max_memory_reserved(d),
+            "peak_reserved_bytes": reserved,
             "nvml_used_bytes": mem[0] if mem else None,
             "nvml_total_bytes": mem[1] if mem else None,
+            "planned_samples": plan.samples if plan else None,
+            "predicted_peak_bytes": plan.predicted_peak if plan else None,
+            "headroom_bytes": plan.free + plan.held - reserved if plan and plan.total else None,
         })
     return rows
 
@@ -69,14 +76,21 @@ def table(rows: list[dict], *, throughput: float, unit: str, title: str) -> str:
         return (f"{title}\nno CUDA cards visible: this run trained on the CPU, so there is no per-card memory "
                 f"to show.\nthroughput: {throughput:,.1f} {unit}/s")
     peak_max = max(r["peak_allocated_bytes"] for r in rows) or 1
-    head = ["rank", "device", "name", "uuid", "peak alloc MB", "peak reserved MB", "nvml used/total MB",
-            "share of busiest"]
+    head = ["rank", "device", "name", "uuid", "samples", "peak alloc MB", "predicted MB", "peak reserved MB",
+            "headroom MB", "nvml used/total MB", "share of busiest"]
     body = []
+
+    def mb(value) -> str:
+        return f"{value / MB:,.0f}" if value is not None else "-"
+
     for r in sorted(rows, key=lambda r: (r["rank"], r["device"])):
         nv = (f"{r['nvml_used_bytes'] / MB:,.0f}/{r['nvml_total_bytes'] / MB:,.0f}"
               if r["nvml_used_bytes"] is not None else "n/a")
-        body.append([str(r["rank"]), r["device"], r["name"], r["uuid"][:13], f"{r['peak_allocated_bytes'] / MB:,.0f}",
-                     f"{r['peak_reserved_bytes'] / MB:,.0f}", nv, f"{r['peak_allocated_bytes'] / peak_max:.0%}"])
+        samples = r.get("planned_samples")
+        body.append([str(r["rank"]), r["device"], r["name"], r["uuid"][:13],
+                     str(samples) if samples is not None else "-", mb(r["peak_allocated_bytes"]),
+                     mb(r.get("predicted_peak_bytes")), mb(r["peak_reserved_bytes"]), mb(r.get("headroom_bytes")),
+                     nv, f"{r['peak_allocated_bytes'] / peak_max:.0%}"])
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     lines = [title, fmt.format(*head), fmt.format(*("-" * w for w in widths))]

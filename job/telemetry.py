@@ -201,6 +201,42 @@ class AllocatorCollector:
         yield from fams
 
 
+class PlanCollector:
+    """The memory plan per card this process drives: its planned samples of each micro-batch, the predicted
+    peak, and the headroom: memory the card had for the job when it planned minus the job's peak reserved."""
+
+    def __init__(self, *, labels: dict[str, str], plan: list[tuple[Any, Any]], cards: list[devices.Card]):
+        self.labels = labels  # rank, local_rank, strategy, run
+        self.plan = plan      # (torch device, job.memplan.CardPlan)
+        self.uuid_of = {c.torch_index: c.uuid for c in cards}
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        samples = GaugeMetricFamily("trainjob_plan_samples", "Samples of each micro-batch the memory plan gives "
+                                    "this card (balanced) or rank (ddp).", labels=RANK_LABELS)
+        predicted = GaugeMetricFamily("trainjob_plan_predicted_peak_bytes", "The memory plan's predicted peak "
+                                      "allocated bytes of this job on the card.", labels=RANK_LABELS)
+        headroom = GaugeMetricFamily("trainjob_plan_headroom_bytes", "Card memory still free at this job's peak: "
+                                     "free + held when it planned, minus its peak reserved.", labels=RANK_LABELS)
+        lab = self.labels
+        for device, card in self.plan:
+            index = device.index if device.type == "cuda" else None
+            row = [lab["rank"], lab["local_rank"], self.uuid_of.get(index, card.uuid), lab["strategy"], lab["run"]]
+            samples.add_metric(row, float(card.samples))
+            if card.predicted_peak is not None:
+                predicted.add_metric(row, float(card.predicted_peak))
+            if card.total and index is not None:
+                import torch
+
+                if torch.cuda.is_initialized():
+                    peak = torch.cuda.max_memory_reserved(index)
+                    headroom.add_metric(row, float(card.free + card.held - peak))
+        for fam in (samples, predicted, headroom):
+            if fam.samples:
+                yield fam
+
+
 class TrainingCollector:
     """Step-time histogram, samples counter, last loss and the info metric of one rank."""
 
@@ -411,12 +447,14 @@ class TrainingTelemetry:
     """
 
     def __init__(self, tcfg, *, run: str, strategy: str, rank: int, local_rank: int, world_size: int,
-                 info: dict[str, str], device, nvml=None, allocator=None, cards: list[devices.Card] | None = None):
+                 info: dict[str, str], device, nvml=None, allocator=None, cards: list[devices.Card] | None = None,
+                 plan: list[tuple[Any, Any]] | None = None):
         self.tcfg = tcfg
         self.run, self.strategy = str(run), str(strategy)
         self.rank, self.local_rank, self.world_size = int(rank), int(local_rank), int(world_size)
         self.device = device
         self._nvml, self._allocator, self._cards = nvml, allocator, cards
+        self._plan = plan or []
         self.host = socket.gethostname()
         self.cards: list[devices.Card] = []
         self.uuid = ""
@@ -459,6 +497,8 @@ class TrainingTelemetry:
         self.registry.register(AllocatorCollector(labels=lab, device=self.device if on_cuda else None,
                                                   cards=self.cards, source=self._allocator))
         self.registry.register(self.training)
+        if self._plan:
+            self.registry.register(PlanCollector(labels=lab, plan=self._plan, cards=self.cards))
         if self.tcfg.port <= 0:
             return self
         peer_dir = peer_dir_for(self.tcfg)

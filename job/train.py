@@ -19,14 +19,16 @@ from pathlib import Path
 import torch
 
 from job import checkpoint as ckpt
-from job import launch, report
+from job import launch, memplan, report
 from job.config import summary
+from job.data import probe_batch
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
 from job.models import WORKLOADS, human, param_count
 from job.strategies import REGISTRY
 from job.strategies import build as build_strategy
 
 log = logging.getLogger("job")
+_AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 _stop = threading.Event()
 _stop_signal: list[int | None] = [None]
@@ -98,8 +100,24 @@ def _pick_devices(cfg, env: launch.DistEnv, multi_process: bool) -> list[torch.d
                 "card or widen CUDA_VISIBLE_DEVICES"
             )
         torch.cuda.set_device(index)
-        return [torch.device("cuda", index)]
-    return [torch.device("cuda", i) for i in range(count)]
+        picked = [torch.device("cuda", index)]
+    else:
+        picked = [torch.device("cuda", i) for i in range(count)]
+    _cap_memory(cfg.memory.cap_gb, picked, count)
+    return picked
+
+
+def _cap_memory(cap_gb, picked: list[torch.device], count: int) -> None:
+    """memory.cap_gb: the allocator refuses to grow past the cap on each card (the plan plans within it)."""
+    if not cap_gb:
+        return
+    if len(cap_gb) not in (1, count):
+        raise UsageError(f"memory.cap_gb has {len(cap_gb)} values for {count} visible card(s); give one for "
+                         f"every card or one per card")
+    for d in picked:
+        cap = cap_gb[0] if len(cap_gb) == 1 else cap_gb[d.index]
+        total = torch.cuda.get_device_properties(d).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 1e9 / total), d)
 
 
 class Trainer:
@@ -140,11 +158,10 @@ class Trainer:
             model = model.to(memory_format=torch.channels_last)
         self.model = model.to(self.device)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp == "fp16")
-        self.step, self.data_position = 0, 0
+        self.step, self.sample_position = 0, 0  # samples consumed: the data stream's position
         self._saved_step = -1
         # Weights are restored before the strategy wraps or replicates the model, the optimizer after
         # (its shape may depend on the strategy), RNG last.
-        self.strategy.run_dir = self.run_dir
         resume_path = ckpt.find_resume(t.resume, self.ckpt_dir)
         state = ckpt.load(resume_path) if resume_path else None
         if state is not None:
@@ -155,6 +172,7 @@ class Trainer:
             self._resume(state, resume_path)
         else:  # per-rank stream for dropout etc.; a resumed run restores its own
             torch.manual_seed(t.seed + 1 + env.rank)
+        self.plan = self._plan_memory()
         self.batches = _batches(self)
         self.clock = _Clock()
         report.card_rows(self.devices, rank=env.rank)  # NVML start-up and card mapping, before any timing
@@ -170,6 +188,51 @@ class Trainer:
                                      fused=self.device.type == "cuda")
         return torch.optim.SGD(params, lr=t.lr, momentum=t.momentum, weight_decay=t.weight_decay)
 
+    def _plan_memory(self) -> memplan.Plan:
+        """Split each micro-batch over the cards from their free memory and the job's measured cost."""
+        c, t = self.cfg, self.cfg.train
+        spec, w = self.spec, c.workload
+        rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)
+        ctx = memplan.Context(
+            micro_batch=self.micro_batch, accum_steps=t.accum_steps, margin_gb=c.memory.margin_gb,
+            cap_gb=list(c.memory.cap_gb), loss_fn=spec.loss, amp_dtype=_AMP.get(t.amp), run_dir=self.run_dir,
+            make_batch=lambda b, d: probe_batch(spec, w, b, device=d, channels_last=t.channels_last),
+            optimizer_bytes=(lambda params: 0) if self.optimizer.state else
+            (lambda params: memplan.optimizer_state_bytes(params, t.optimizer, t.momentum)),
+            key=_plan_key(c, self.env.world_size, self.micro_batch),
+        )
+        plan = self.strategy.plan_memory(ctx)
+        # Probes draw random inputs: the training stream must not depend on whether they ran.
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state_all(rng[1])
+        how = "reused from " + str(self.run_dir / memplan.CACHE_NAME) if plan.reused else plan.mode
+        if any(card.total for card in plan.cards):
+            log.info("memory plan (%s): samples per micro-batch %s of %d\n%s", how, plan.sizes, self.micro_batch,
+                     plan.table())
+        elif len(plan.cards) > 1:
+            log.info("memory plan (%s): samples per micro-batch %s of %d", how, plan.sizes, self.micro_batch)
+        return plan
+
+    def _check_plan(self) -> None:
+        """After the first steps: each card's measured peak next to the prediction, logged and cached."""
+        mine = self.strategy.local_cards(self.plan)
+        peaks = [torch.cuda.max_memory_allocated(d) if d.type == "cuda" else None for d in self.devices]
+        for card, peak in zip(mine, peaks):
+            card.measured_peak = peak
+        measured = [p for per_rank in self.strategy.all_gather_object(peaks) for p in per_rank]
+        if len(measured) == len(self.plan.cards):
+            for card, peak in zip(self.plan.cards, measured):
+                card.measured_peak = peak
+        if not self.is_main or not any(c.measured for c in self.plan.cards):
+            return
+        errors = [f"{c.label} {c.measured_peak / 1e9:.2f} GB measured / {c.predicted_peak / 1e9:.2f} predicted "
+                  f"({(c.measured_peak / c.predicted_peak - 1) * 100:+.1f} %)"
+                  for c in self.plan.cards if c.measured_peak is not None and c.predicted_peak]
+        log.info("memory plan check after step %d: %s", self.step, "; ".join(errors))
+        if self.plan.mode == "auto" or self.plan.reused:
+            memplan.write_cache(self.run_dir, self.plan)
+
     def _start_telemetry(self):
         from job import telemetry
 
@@ -177,6 +240,7 @@ class Trainer:
             self.cfg.telemetry, run=self.run_id, strategy=self.cfg.strategy.name, rank=self.env.rank,
             local_rank=self.env.local_rank, world_size=self.env.world_size, info=summary(self.cfg),
             device=self.device if self.device.type == "cuda" else None,
+            plan=list(zip(self.devices, self.strategy.local_cards(self.plan))),
         )
         try:
             tel.start()
@@ -197,13 +261,20 @@ class Trainer:
             ) from None
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
-        self.step, self.data_position = int(state["step"]), int(state["data_position"])
+        t = self.cfg.train
+        self.step = int(state["step"])
+        if "sample_position" in state:
+            self.sample_position = int(state["sample_position"])
+        else:  # older checkpoints count micro-batches of the run that wrote them
+            saved = state.get("config", {}).get("train", {})
+            micro = int(saved.get("batch_size", t.batch_size)) // int(saved.get("accum_steps", t.accum_steps))
+            self.sample_position = int(state["data_position"]) * micro
         rngs = state.get("rng") or []
         if len(rngs) == self.env.world_size:
             ckpt.set_rng_state(rngs[self.env.rank])
         else:
             torch.manual_seed(self.cfg.train.seed + 1 + self.env.rank + self.step)
-        log.info("resumed from %s at step %d (data position %d)", path, self.step, self.data_position)
+        log.info("resumed from %s at step %d (sample %d)", path, self.step, self.sample_position)
         if self.strategy.is_main:
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
 
@@ -238,11 +309,13 @@ class Trainer:
 
     def _loop(self) -> bool:
         t = self.cfg.train
-        amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(t.amp)
+        amp_dtype = _AMP.get(t.amp)
         log_every = t.log_every
         card_every = self.cfg.telemetry.log_every or t.log_every
         samples_per_step = t.batch_size
-        rank_samples = self.strategy.local_batch(self.micro_batch) * t.accum_steps
+        rank_samples = self.strategy.share(self.micro_batch)[1] * t.accum_steps
+        # The plan's check: peaks of steps 2-3 (the first step allocates and autotunes once).
+        plan_reset, plan_check = self.step + 1, self.step + 3
         warm = t.timing_warmup if t.timing_warmup >= 0 else min(10, max(1, (t.steps - self.step) // 10))
         warm_step = self.step + warm
         if warm == 0:
@@ -264,9 +337,13 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.step += 1
-            self.data_position += t.accum_steps
-            self.strategy.on_step_end(self.step)
+            self.sample_position += t.batch_size
             window_steps += 1
+            if self.step == plan_reset:
+                _reset_peaks(self.devices)
+            if self.step == plan_check or (self.step == t.steps and self.step < plan_check):
+                with self.clock.paused():
+                    self._check_plan()
 
             if warm and self.step == warm_step:
                 self._sync()
@@ -305,7 +382,7 @@ class Trainer:
                 torch.cuda.synchronize(d)
 
     def _rows(self) -> list[dict]:
-        rows = report.card_rows(self.devices, rank=self.env.rank)
+        rows = report.card_rows(self.devices, rank=self.env.rank, plan_cards=self.strategy.local_cards(self.plan))
         return [r for per_rank in self.strategy.all_gather_object(rows) for r in per_rank]
 
     def _log_step(self, loss: float, rate: float, *, cards: bool) -> None:
@@ -334,7 +411,8 @@ class Trainer:
                 "optimizer": self.strategy.optimizer_state_dict(self.optimizer),
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                 "step": self.step,
-                "data_position": self.data_position,
+                "sample_position": self.sample_position,
+                "data_position": self.sample_position // self.micro_batch,  # micro-batches, for older readers
                 "rng": rngs,
                 "world_size": self.env.world_size,
                 "config": OmegaConf.to_container(self.cfg),
@@ -409,10 +487,30 @@ def _batches(tr: Trainer):
     from job.data import batches
 
     c = tr.cfg
-    return batches(tr.spec, c.workload, c.data, micro_batch=tr.micro_batch, start=tr.data_position,
-                   rank=tr.env.rank if tr.strategy.multi_process else 0,
-                   world=tr.env.world_size if tr.strategy.multi_process else 1,
-                   seed=c.train.seed, device=tr.device, channels_last=c.train.channels_last)
+    offset, count = tr.strategy.share(tr.micro_batch)
+    return batches(tr.spec, c.workload, c.data, micro_batch=tr.micro_batch, start=tr.sample_position,
+                   offset=offset, count=count, seed=c.train.seed, device=tr.device,
+                   channels_last=c.train.channels_last)
+
+
+def _reset_peaks(devices: list[torch.device]) -> None:
+    for d in devices:
+        if d.type == "cuda":
+            torch.cuda.synchronize(d)
+            torch.cuda.reset_peak_memory_stats(d)
+
+
+def _plan_key(cfg, world_size: int, micro_batch: int) -> dict:
+    """Everything a cached memory plan depends on besides the cards (checked on resume)."""
+    from omegaconf import OmegaConf
+
+    t = cfg.train
+    return {"strategy": cfg.strategy.name, "split": cfg.strategy.split, "gpu0_batch": cfg.strategy.gpu0_batch,
+            "world_size": world_size, "micro_batch": micro_batch,
+            "workload": OmegaConf.to_container(cfg.workload), "amp": t.amp,
+            "activation_checkpointing": t.activation_checkpointing, "channels_last": t.channels_last,
+            "compile": t.compile, "optimizer": t.optimizer, "momentum": t.momentum,
+            "margin_gb": cfg.memory.margin_gb, "cap_gb": list(cfg.memory.cap_gb)}
 
 
 def _truncate_metrics(path: Path, step: int) -> None:

@@ -102,8 +102,8 @@ def test_bad_yaml_file(tmp_path):
     (["train", "train.batch_size=abc"], "error: `train.batch_size`"),
     (["train", "strategy=nope"], "error: unknown strategy `nope`"),
     (["frobnicate"], "error: unknown command `frobnicate`"),
-    (["train", "strategy=ddp", "strategy.nprocs=3", "train.batch_size=64", "train.device=cpu"],
-     "ddp: micro-batch 64 (train.batch_size / train.accum_steps) is not a multiple of 3 ranks"),
+    (["train", "strategy=ddp", "strategy.nprocs=3", "train.batch_size=2", "train.device=cpu"],
+     "ddp: micro-batch 2 (train.batch_size / train.accum_steps) cannot give each of 3 ranks a sample"),
 ])
 def test_cli_exit_2_one_line_no_traceback(argv, expected, tmp_path):
     p = subprocess.run(job_cmd(*argv, f"train.run_dir={tmp_path}") if argv[0] == "train" else job_cmd(*argv),

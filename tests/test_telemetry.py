@@ -312,6 +312,9 @@ def test_cpu_training_run_serves_metrics(tmp_path, strategy, ranks):
         assert {d["rank"] for d in infos} == ranks
         assert all(d["workload"] == "tiny" and d["batch_size"] == "8" for d in infos)
         assert named(text, "trainjob_step_seconds_count")
+        # The memory plan per card/rank: dp's one process holds the batch of 8; ddp's two ranks 4 each.
+        plan = {dict(lab)["rank"]: v for (n, lab), v in samples(text).items() if n == "trainjob_plan_samples"}
+        assert plan == ({"0": 8.0} if strategy == "dp" else {"0": 4.0, "1": 4.0}), plan
         check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
         assert check.returncode == 0, check.stdout + check.stderr
     finally:

@@ -12,84 +12,31 @@ What DataParallel does every step, and what this does instead:
   exactly the full-batch mean whatever the split;
 - keep master weights, gradients and optimizer state on GPU 0  -> every card holds its own (symmetric).
 
-What remains uneven (the input batch arrives on GPU 0, which also hosts the loss scalars) is measured
-and corrected by the split: `strategy.gpu0_batch` = an int (0: GPU 0 computes nothing), a fraction, or
-`auto`: after one warm-up step, run `calibration_steps` steps at an even split and as many at a shifted
-one (after one settling step: a new shape's first step allocates and autotunes), fit per-card peak = intercept_k + slope x samples_k (one shared slope: the replicas are the same
-model), and pick the integer split that minimises the largest predicted peak. Calibration steps are real
-training steps (the gradient does not depend on the split). The choice is logged with predicted and
-measured peaks and cached in the run directory, so a resumed run does not calibrate again.
+What remains uneven (the input batch arrives on GPU 0, which also hosts the loss scalars), and any
+difference in free memory between the cards (another process on card 0, cards of different sizes), is
+taken into account by the memory plan (job.memplan): `strategy.split=auto` probes each card with its own
+replica and gives every card an even share unless it has no room for it; `even`, explicit shares, and
+`strategy.gpu0_batch` (an int, 0 = GPU 0 only coordinates, or a fraction) fix the split instead. The
+gradient, and so training, does not depend on the split.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import logging
 import queue
 import threading
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from job import memplan
 from job.errors import UsageError
-from job.strategies.base import Strategy
+from job.strategies.base import Strategy, parse_gpu0, parse_mode, split_sizes
 
+__all__ = ["BalancedStrategy", "parse_gpu0", "split_sizes"]
 log = logging.getLogger("job")
-CACHE_NAME = "balanced_split.json"
-
-
-def parse_gpu0(value: str, micro_batch: int) -> int | None:
-    """`strategy.gpu0_batch` as samples of each micro-batch; None means auto."""
-    text = str(value).strip().lower()
-    if text == "auto":
-        return None
-    try:
-        if "." in text or "e" in text:
-            frac = float(text)
-            if not 0.0 < frac < 1.0:
-                raise ValueError
-            samples = round(frac * micro_batch)
-        else:
-            samples = int(text)
-    except ValueError:
-        raise UsageError(
-            f"strategy.gpu0_batch=`{value}` is not valid; give samples (an int >= 0), a fraction in (0, 1), or auto"
-        ) from None
-    if not 0 <= samples <= micro_batch:
-        raise UsageError(
-            f"strategy.gpu0_batch={value} is outside the micro-batch of {micro_batch} samples "
-            "(train.batch_size / train.accum_steps); give 0..micro-batch, a fraction, or auto"
-        )
-    return samples
-
-
-def split_sizes(total: int, n: int, gpu0: int | None = None) -> list[int]:
-    """Samples per card: GPU 0 gets `gpu0` (even share if None), the rest spread evenly, remainders to
-    the lowest card indices first. Deterministic; sums to total; never negative."""
-    if n < 1 or total < 0:
-        raise ValueError(f"cannot split {total} samples over {n} cards")
-    if n == 1:
-        return [total]
-    if gpu0 is None:
-        base, rem = divmod(total, n)
-        return [base + (1 if k < rem else 0) for k in range(n)]
-    if not 0 <= gpu0 <= total:
-        raise ValueError(f"gpu0={gpu0} outside 0..{total}")
-    base, rem = divmod(total - gpu0, n - 1)
-    return [gpu0] + [base + (1 if k < rem else 0) for k in range(n - 1)]
-
-
-def best_split(total: int, intercepts: list[float], slope: float) -> list[int]:
-    """Integer split minimising max_k(intercept_k + slope * b_k): give each sample to the card whose
-    peak would be lowest after taking it (optimal for increasing linear costs; ties to the lower index)."""
-    sizes = [0] * len(intercepts)
-    for _ in range(total):
-        k = min(range(len(sizes)), key=lambda i: (intercepts[i] + slope * (sizes[i] + 1), i))
-        sizes[k] += 1
-    return sizes
 
 
 class _Worker:
@@ -130,29 +77,25 @@ def _result(done: queue.Queue):
 
 class BalancedStrategy(Strategy):
     name = "balanced"
+    min_share = 0  # a card may only coordinate (GPU 0 with strategy.gpu0_batch=0)
 
     def __init__(self, scfg, **kw):
         super().__init__(scfg, **kw)
         self.replicas: list[nn.Module] = []
         self.workers: list[_Worker] = []
-        self.sizes: list[int] | None = None
         self.micro_batch = 0
-        self.fixed: int | None = None
-        self.run_dir: Path | None = None
-        self._calib: dict | None = None
-        self._steps = 0
+        self.mode: str | list[int] = "even"
 
     def check(self, *, micro_batch: int) -> None:
         self.micro_batch = micro_batch
-        self.fixed = parse_gpu0(self.cfg.gpu0_batch, micro_batch)
         n = len(self.devices)
-        if n > 1 and micro_batch < n - (1 if self.fixed == 0 else 0):
+        self.mode = parse_mode(self.cfg, n, micro_batch, minimum=self.min_share)
+        zero_ok = isinstance(self.mode, list) and 0 in self.mode
+        if n > 1 and micro_batch < n and not zero_ok:
             raise UsageError(
                 f"balanced: micro-batch {micro_batch} cannot give every one of {n} cards a sample; "
                 f"raise train.batch_size to at least {n} x train.accum_steps"
             )
-        if self.cfg.calibration_steps < 1:
-            raise UsageError(f"strategy.calibration_steps={self.cfg.calibration_steps} must be at least 1")
 
     # -- setup ------------------------------------------------------------------------------------
     def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
@@ -169,23 +112,45 @@ class BalancedStrategy(Strategy):
             log.info("balanced: %d persistent replicas, one thread each: cudnn.benchmark stays %s "
                      "(each thread tunes once)", len(self.devices),
                      "on" if torch.backends.cudnn.benchmark else "off")
-        self.sizes = self._initial_sizes()
+        self.sizes = split_sizes(self.micro_batch, len(self.devices)) if self.micro_batch else []
 
-    def _initial_sizes(self) -> list[int]:
-        n, mb = len(self.devices), self.micro_batch
-        if n == 1:
-            return [mb]
-        if self.fixed is not None:
-            sizes = split_sizes(mb, n, self.fixed)
-            log.info("balanced: split %s of micro-batch %d (strategy.gpu0_batch=%s)", sizes, mb, self.cfg.gpu0_batch)
-            return sizes
-        cached = self._read_cache()
-        if cached:
-            log.info("balanced: split %s from %s (calibrated earlier; not recalibrating)", cached,
-                     self.run_dir / CACHE_NAME)
-            return cached
-        self._calib = {"phase": "warmup", "left": 1, "trials": []}
-        return split_sizes(mb, n)
+    def plan_memory(self, ctx) -> memplan.Plan:
+        """Every card probed with its own replica (one at a time: the probes measure one card each)."""
+        n, mb = len(self.devices), ctx.micro_batch
+        cards = [ctx.card(d, str(d), k) for k, d in enumerate(self.devices)]
+        plan = memplan.Plan(mode="auto", micro_batch=mb, cards=cards, key=ctx.key)
+        if self.mode == "auto" and self.devices[0].type == "cuda":
+            cached = memplan.read_cache(ctx.run_dir, ctx.key, cards)
+            if cached is not None:
+                plan = cached
+            else:
+                plain = self._plain_replicas()
+                extra = ctx.optimizer_bytes(self._params[0])
+                x0, y0 = ctx.make_batch(1, self.devices[0])
+                # The whole micro-batch's inputs arrive on card 0 before they are split.
+                inputs = mb * (x0.numel() * x0.element_size() + y0.numel() * y0.element_size())
+                del x0, y0
+
+                def prober(k: int):
+                    step = ctx.probe_step(plain[k], self.devices[k])
+
+                    def probe_upto(b: int) -> None:
+                        memplan.probe(plan.cards[k], self.devices[k], step, upto=b, limit=mb,
+                                      extra=extra + (inputs if k == 0 else 0))
+                    return probe_upto
+
+                memplan.auto_plan(plan, {k: prober(k) for k in range(n)}, lambda c: c, minimum=self.min_share,
+                                  accum_steps=ctx.accum_steps, options=memplan.OPTIONS)
+        else:
+            if isinstance(self.mode, list):
+                sizes, plan.mode = self.mode, "explicit"
+            else:
+                sizes, plan.mode = split_sizes(mb, n), "even"
+            memplan.apply_fixed(plan, sizes)
+        self.sizes = plan.sizes
+        if n > 1:
+            log.info("balanced: split %s of micro-batch %d (%s)", self.sizes, mb, plan.mode)
+        return plan
 
     def build_optimizer(self, factory):
         """One optimizer over every replica's parameters, one param group per replica (same settings):
@@ -220,7 +185,7 @@ class BalancedStrategy(Strategy):
     # -- one micro-step ---------------------------------------------------------------------------
     def loss(self, x, y):
         total = x.shape[0]
-        sizes = self.sizes if sum(self.sizes) == total else split_sizes(total, len(self.devices), None)
+        sizes = self.sizes if sum(self.sizes) == total else split_sizes(total, len(self.devices))
         self._sync_buffers()
         xs, ys = x.split(sizes), y.split(sizes)
         amp = {d.type: (torch.is_autocast_enabled(d.type), torch.get_autocast_dtype(d.type)) for d in self.devices}
@@ -277,122 +242,10 @@ class BalancedStrategy(Strategy):
                 for src, dst in zip(bufs[0], bufs[k]):
                     dst.copy_(src, non_blocking=True)
 
-    # -- auto calibration -------------------------------------------------------------------------
-    def on_step_end(self, step: int) -> None:
-        c = self._calib
-        if c is None:
-            return
-        if c.pop("settle", False):
-            # The first step at a new split allocates and (with cudnn.benchmark) autotunes for the new
-            # shapes: its peak is not the steady state, so measuring starts after it.
-            self._reset_peaks()
-            return
-        c["left"] -= 1
-        if c["left"] > 0:
-            return
-        if c["phase"] == "warmup":
-            self._reset_peaks()
-            c.update(phase="trial", left=self.cfg.calibration_steps)
-            return
-        if c["phase"] == "trial":
-            c["trials"].append((list(self.sizes), self._peaks()))
-            if len(c["trials"]) == 1:
-                self.sizes = self._shifted(self.sizes)
-                c.update(left=self.cfg.calibration_steps, settle=True)
-                return
-            self._choose()
-            self._release_cache()
-            c.update(phase="verify", left=self.cfg.calibration_steps, settle=True)
-            return
-        if c["phase"] == "verify":
-            measured = self._peaks()
-            log.info("balanced: measured peaks %s GB at split %s (predicted %s GB)",
-                     _gb(measured), self.sizes, _gb(c["predicted"]))
-            self._write_cache(measured)
-            self._calib = None
-
-    def _shifted(self, sizes: list[int]) -> list[int]:
-        """A second trial split: move a quarter of the largest share to the smallest."""
-        hi = max(range(len(sizes)), key=lambda k: (sizes[k], -k))
-        lo = min((k for k in range(len(sizes)) if k != hi), key=lambda k: (sizes[k], k))
-        d = max(1, sizes[hi] // 4)
-        new = list(sizes)
-        new[hi] -= d
-        new[lo] += d
-        return new
-
-    def _choose(self) -> None:
-        (sa, pa), (sb, pb) = self._calib["trials"]
-        slopes = [(pb[k] - pa[k]) / (sb[k] - sa[k]) for k in range(len(sa)) if sb[k] != sa[k]]
-        # Memory grows with samples; a flat or negative fit (noise, or a card with nothing to move)
-        # falls back to the smallest positive slope, which keeps the choice close to even.
-        slope = max(sum(slopes) / len(slopes), 1.0) if slopes else 1.0
-        intercepts = [pa[k] - slope * sa[k] for k in range(len(sa))]
-        self.sizes = best_split(self.micro_batch, intercepts, slope)
-        predicted = [intercepts[k] + slope * self.sizes[k] for k in range(len(sa))]
-        self._calib["predicted"] = predicted
-        log.info("balanced: auto split %s of micro-batch %d; per-sample %.1f MB; trials %s -> %s GB and %s -> "
-                 "%s GB; predicted peaks %s GB", self.sizes, self.micro_batch, slope / 2**20, sa, _gb(pa), sb,
-                 _gb(pb), _gb(predicted))
-
-    def _release_cache(self) -> None:
-        """Give back what the trial splits reserved, so reserved/NVML figures show the chosen split."""
-        for d in self.devices:
-            if d.type == "cuda":
-                with torch.cuda.device(d):
-                    torch.cuda.synchronize()
-                    torch.cuda.empty_cache()
-
-    def _reset_peaks(self) -> None:
-        for d in self.devices:
-            if d.type == "cuda":
-                torch.cuda.synchronize(d)
-                torch.cuda.reset_peak_memory_stats(d)
-
-    def _peaks(self) -> list[float]:
-        out = []
-        for d in self.devices:
-            if d.type == "cuda":
-                torch.cuda.synchronize(d)
-                out.append(float(torch.cuda.max_memory_allocated(d)))
-            else:
-                out.append(0.0)
-        return out
-
-    def _cache_key(self) -> dict:
-        names = [torch.cuda.get_device_name(d) if d.type == "cuda" else "cpu" for d in self.devices]
-        return {"micro_batch": self.micro_batch, "devices": names}
-
-    def _read_cache(self) -> list[int] | None:
-        if self.run_dir is None or not (self.run_dir / CACHE_NAME).is_file():
-            return None
-        try:
-            doc = json.loads((self.run_dir / CACHE_NAME).read_text())
-        except (OSError, ValueError):
-            return None
-        if doc.get("key") != self._cache_key() or sum(doc.get("sizes", [])) != self.micro_batch:
-            log.info("balanced: cached split in %s is for another setup; recalibrating", self.run_dir / CACHE_NAME)
-            return None
-        return list(doc["sizes"])
-
-    def _write_cache(self, measured: list[float]) -> None:
-        if self.run_dir is None or not self.is_main:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        doc = {"key": self._cache_key(), "sizes": self.sizes, "predicted_peak_bytes": self._calib["predicted"],
-               "measured_peak_bytes": measured, "trials": self._calib["trials"]}
-        tmp = self.run_dir / (CACHE_NAME + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        tmp.replace(self.run_dir / CACHE_NAME)
-
     def teardown(self) -> None:
         for w in self.workers:
             w.stop()
         self.workers = []
-
-
-def _gb(values: list[float]) -> list[float]:
-    return [round(v / 1e9, 2) for v in values]
 
 
 def _allreduce_sum(flats: list[torch.Tensor], devices: list[torch.device]) -> None:

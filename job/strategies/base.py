@@ -8,6 +8,7 @@ import logging
 import torch
 from torch import nn
 
+from job import memplan
 from job.errors import UsageError
 
 log = logging.getLogger("job")
@@ -16,14 +17,15 @@ log = logging.getLogger("job")
 class Strategy:
     """How one optimizer step's batch is spread over the cards.
 
-    The trainer calls, in order: `check(micro_batch=...)`, `setup(model, loss_fn)`, then per micro-step
+    The trainer calls, in order: `check(micro_batch=...)`, `setup(model, loss_fn)`, `plan_memory(ctx)`
+    (the split of each micro-batch, job.memplan), then per micro-step
     `loss(x, y)` inside `backward_sync(enabled)`, and `teardown()` at the end. `module` is always the
     unwrapped model (what checkpoints save and optimizers see).
     """
 
     name = "base"
     multi_process = False
-    run_dir = None  # set by the trainer: where a strategy may keep state (balanced's calibrated split)
+    min_share = 1  # fewest samples a card (balanced) or rank (ddp) may get in a split
 
     def __init__(self, scfg, *, devices: list[torch.device], rank: int = 0, world_size: int = 1,
                  local_rank: int = 0):
@@ -32,6 +34,7 @@ class Strategy:
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.module: nn.Module | None = None
         self.loss_fn = None
+        self.sizes: list[int] = []  # samples of each micro-batch per card (balanced) or per rank (ddp)
 
     @property
     def device(self) -> torch.device:
@@ -42,9 +45,24 @@ class Strategy:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def local_batch(self, micro_batch: int) -> int:
-        """Samples this process loads per micro-step."""
-        return micro_batch
+    def share(self, micro_batch: int) -> tuple[int, int]:
+        """(offset, count): the samples of each micro-batch this process loads, by position."""
+        return 0, micro_batch
+
+    def plan_memory(self, ctx) -> memplan.Plan:
+        """The memory plan (job.memplan): here, each card's room for the table, and an even split."""
+        cards = [ctx.card(d, str(d), k) for k, d in enumerate(self.devices)]
+        plan = memplan.Plan(mode="even", micro_batch=ctx.micro_batch, cards=cards)
+        memplan.apply_fixed(plan, self.even_sizes(ctx.micro_batch))
+        self.sizes = plan.sizes
+        return plan
+
+    def even_sizes(self, micro_batch: int) -> list[int]:
+        return memplan.even_split(micro_batch, len(self.devices))
+
+    def local_cards(self, plan: memplan.Plan) -> list[memplan.CardPlan]:
+        """The plan's lines for the cards this process drives, in self.devices order."""
+        return plan.cards
 
     def check(self, *, micro_batch: int) -> None:
         """Refuse batch sizes this strategy cannot split (UsageError with the arithmetic)."""
@@ -63,9 +81,6 @@ class Strategy:
 
     def load_optimizer_state_dict(self, opt, sd: dict) -> None:
         opt.load_state_dict(sd)
-
-    def on_step_end(self, step: int) -> None:
-        """Called after each optimizer step (balanced calibrates its split here)."""
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean loss over this micro-batch (over all ranks' samples, after the gradient reduce)."""
@@ -99,7 +114,7 @@ def disable_cudnn_autotune(strategy: str, devices: list[torch.device]) -> None:
         log.info(
             "%s: turned cudnn.benchmark off: DataParallel runs each replica in a new thread every step and "
             "cuDNN's autotune cache is per thread, so it would re-tune every step (18x slower measured on "
-            "2xH200, DESIGN.md)", strategy,
+            "2xH200, docs/benchmarks.md)", strategy,
         )
 
 
@@ -109,3 +124,56 @@ def check_at_least_one_per_card(strategy: str, micro_batch: int, n_cards: int) -
             f"{strategy}: micro-batch {micro_batch} (train.batch_size / train.accum_steps) is smaller than "
             f"the {n_cards} cards; raise train.batch_size to at least {n_cards} x train.accum_steps"
         )
+
+
+def parse_gpu0(value: str, micro_batch: int) -> int | None:
+    """`strategy.gpu0_batch` as samples of each micro-batch; None means auto."""
+    text = str(value).strip().lower()
+    if text == "auto":
+        return None
+    try:
+        if "." in text or "e" in text:
+            frac = float(text)
+            if not 0.0 < frac < 1.0:
+                raise ValueError
+            samples = round(frac * micro_batch)
+        else:
+            samples = int(text)
+    except ValueError:
+        raise UsageError(
+            f"strategy.gpu0_batch=`{value}` is not valid; give samples (an int >= 0), a fraction in (0, 1), or auto"
+        ) from None
+    if not 0 <= samples <= micro_batch:
+        raise UsageError(
+            f"strategy.gpu0_batch={value} is outside the micro-batch of {micro_batch} samples "
+            "(train.batch_size / train.accum_steps); give 0..micro-batch, a fraction, or auto"
+        )
+    return samples
+
+
+def split_sizes(total: int, n: int, gpu0: int | None = None) -> list[int]:
+    """Samples per card: card 0 gets `gpu0` (even share if None), the rest spread evenly, remainders to
+    the lowest card indices first. Deterministic; sums to total; never negative."""
+    if n == 1:
+        return [total]
+    if gpu0 is None:
+        return memplan.even_split(total, n)
+    if not 0 <= gpu0 <= total:
+        raise ValueError(f"gpu0={gpu0} outside 0..{total}")
+    return [gpu0] + memplan.even_split(total - gpu0, n - 1)
+
+
+def parse_mode(scfg, n: int, micro_batch: int, *, minimum: int) -> str | list[int]:
+    """`strategy.split` and `strategy.gpu0_batch` together: "auto", "even", or the shares of n cards/ranks."""
+    split = memplan.parse_split(scfg.split, n, micro_batch, minimum=minimum)
+    gpu0 = parse_gpu0(scfg.gpu0_batch, micro_batch)
+    if gpu0 is None:
+        return split
+    if split != "auto":
+        raise UsageError(f"strategy.split={scfg.split} and strategy.gpu0_batch={scfg.gpu0_batch} both choose the "
+                         "split; set one of them (the other to auto)")
+    sizes = split_sizes(micro_batch, n, gpu0)
+    if min(sizes) < minimum:
+        raise UsageError(f"strategy.gpu0_batch={scfg.gpu0_batch} leaves a card or rank of {sizes} with fewer than "
+                         f"{minimum} sample(s) of micro-batch {micro_batch}; give each at least {minimum}")
+    return sizes

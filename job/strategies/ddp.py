@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from job import memplan
 from job.errors import UsageError
-from job.strategies.base import Strategy
+from job.strategies.base import Strategy, parse_mode
 
 
 class DDPStrategy(Strategy):
@@ -21,37 +22,104 @@ class DDPStrategy(Strategy):
 
     def __init__(self, scfg, **kw):
         super().__init__(scfg, **kw)
+        self.micro_batch, self.mode, self.ddp, self.compile = 0, "even", None, False
         self.distributed = dist.is_available() and dist.is_initialized() and self.world_size > 1
         self.ctrl = None
         if self.distributed:
             self.ctrl = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
 
     def check(self, *, micro_batch: int) -> None:
-        if micro_batch % self.world_size:
+        self.micro_batch = micro_batch
+        if micro_batch < self.world_size:
             raise UsageError(
-                f"ddp: micro-batch {micro_batch} (train.batch_size / train.accum_steps) is not a multiple of "
-                f"{self.world_size} ranks; use train.batch_size = {self.world_size} x train.accum_steps x k"
+                f"ddp: micro-batch {micro_batch} (train.batch_size / train.accum_steps) cannot give each of "
+                f"{self.world_size} ranks a sample; use train.batch_size >= {self.world_size} x train.accum_steps"
             )
+        self.mode = parse_mode(self.cfg, self.world_size, micro_batch, minimum=self.min_share)
 
-    def local_batch(self, micro_batch: int) -> int:
-        return micro_batch // self.world_size
+    def share(self, micro_batch: int) -> tuple[int, int]:
+        sizes = self.sizes or memplan.even_split(micro_batch, self.world_size)
+        return sum(sizes[: self.rank]), sizes[self.rank]
 
     def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
         super().setup(model, loss_fn)
+        self.compile = compile
+        self.ddp = None
+        self.sizes = memplan.even_split(self.micro_batch, self.world_size) if self.micro_batch else []
+        # DDP wraps the model after the memory plan (plan_memory): probes then measure the gradients
+        # DDP's buckets will hold, not a second copy next to them.
+
+    def _wrap(self) -> None:
+        if self.forward is not self.module or self.ddp is not None:
+            return
         if self.distributed:
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = nn.parallel.DistributedDataParallel(
-                model, device_ids=ids, find_unused_parameters=self.cfg.find_unused_parameters,
+                self.module, device_ids=ids, find_unused_parameters=self.cfg.find_unused_parameters,
                 gradient_as_bucket_view=True,
             )
             # Compile the DDP-wrapped module: dynamo's DDPOptimizer splits graphs at bucket boundaries.
-            self.forward = torch.compile(self.ddp) if compile else self.ddp
-        elif compile:
-            self.forward = torch.compile(model)
-        # loss() is the base one: the mean over the local slice; DDP averages gradients over equal
-        # slices, which is the global mean.
+            self.forward = torch.compile(self.ddp) if self.compile else self.ddp
+        elif self.compile:
+            self.forward = torch.compile(self.module)
+
+    def plan_memory(self, ctx) -> memplan.Plan:
+        """Each rank measures its own card; the ranks exchange what they measured and make the same choice."""
+        label = f"rank {self.rank} {self.device}"
+        mine = ctx.card(self.device, label, self.local_rank)
+        cards = [c for c in self.all_gather_object(mine)]
+        plan = memplan.Plan(mode="auto" if self.mode == "auto" else "fixed", micro_batch=ctx.micro_batch,
+                            cards=cards, key=ctx.key)
+        if self.mode == "auto" and self.device.type == "cuda":
+            cached = self._cached(ctx, cards)
+            if cached is not None:
+                plan = cached
+            else:
+                step = ctx.probe_step(self.module, self.device)
+                extra = ctx.optimizer_bytes(list(self.module.parameters()))
+
+                def probe_upto(b: int) -> None:
+                    memplan.probe(plan.cards[self.rank], self.device, step, upto=b, limit=ctx.micro_batch,
+                                  extra=extra)
+
+                def exchange(cards):
+                    return self.all_gather_object(cards[self.rank])
+
+                try:
+                    memplan.auto_plan(plan, {self.rank: probe_upto}, exchange, minimum=self.min_share,
+                                      accum_steps=ctx.accum_steps, options=memplan.OPTIONS)
+                except UsageError as e:  # every rank refuses the same plan: rank 0 says it
+                    raise UsageError(str(e), quiet=self.rank != 0) from None
+        else:
+            sizes = self.mode if isinstance(self.mode, list) else memplan.even_split(ctx.micro_batch, self.world_size)
+            plan.mode = "even" if self.mode in ("auto", "even") else "explicit"
+            memplan.apply_fixed(plan, sizes)
+        self.sizes = plan.sizes
+        self._wrap()
+        return plan
+
+    def _cached(self, ctx, cards):
+        """Rank 0 reads the cache; every rank takes its answer (the ranks may not share a file system view)."""
+        found = memplan.read_cache(ctx.run_dir, ctx.key, cards) if self.rank == 0 else None
+        doc = self.all_gather_object(found.to_json() if found else None)[0]
+        if doc is None:
+            return None
+        plan = memplan.Plan.from_json(doc)
+        plan.reused = True
+        return plan
+
+    def local_cards(self, plan):
+        return [plan.cards[self.rank]]
+
+    def loss(self, x, y):
+        """This rank's samples' loss sum x world / micro-batch: DDP averages gradients over ranks, so the
+        result is the gradient of the full micro-batch's mean whatever the split (the mean of these values
+        over ranks is the full-batch mean loss)."""
+        self._wrap()
+        return self.loss_fn(self.forward(x), y, reduction="sum") * (self.world_size / self.micro_batch)
 
     def backward_sync(self, enabled: bool):
+        self._wrap()
         if self.distributed and not enabled:
             return self.ddp.no_sync()
         return super().backward_sync(enabled)

@@ -25,3 +25,9 @@ class DataParallelStrategy(Strategy):
             # Outputs are gathered on GPU 0 and the loss is computed there (base.loss): the stock recipe.
             self.forward = nn.DataParallel(self.forward, device_ids=[d.index for d in self.devices],
                                            output_device=self.devices[0].index)
+
+    def even_sizes(self, micro_batch: int) -> list[int]:
+        """What DataParallel's scatter gives each card: torch.chunk's sizes (ceil; later cards may get less)."""
+        n = len(self.devices)
+        size = -(-micro_batch // n)
+        return [max(0, min(size, micro_batch - k * size)) for k in range(n)]
