@@ -36,6 +36,9 @@ class StrategyCfg:
     """ddp: processes to start when launched as a plain command (0 = one per visible GPU, 1 on CPU)."""
     backend: str = "auto"
     """ddp: process-group backend: auto (nccl on GPUs, gloo on CPU) | nccl | gloo."""
+    check_replicas_every: int = 0
+    """balanced: every N steps, check that the replicas' weights are still identical (fails loudly if not;
+    0: never)."""
     find_unused_parameters: bool = False
     """ddp: let DDP tolerate parameters that get no gradient (slower)."""
 
@@ -82,6 +85,8 @@ class TrainCfg:
     """sgd momentum."""
     weight_decay: float = 0.0
     """Weight decay (decoupled for adamw)."""
+    grad_clip: float = 0.0
+    """Clip gradients to this global L2 norm, as one process would, for every strategy (0: off)."""
     amp: str = "off"
     """Mixed precision: off | bf16 | fp16 (fp16 uses a GradScaler)."""
     activation_checkpointing: bool = False
@@ -422,9 +427,12 @@ def validate(cfg) -> None:
             raise UsageError(f"`{key}={value}` must be at least 1")
     for key, value in {"train.checkpoint_every": t.checkpoint_every, "train.warmup_steps": t.warmup_steps,
                        "strategy.nprocs": cfg.strategy.nprocs, "data.workers": cfg.data.workers,
+                       "strategy.check_replicas_every": cfg.strategy.check_replicas_every,
                        "telemetry.log_every": cfg.telemetry.log_every}.items():
         if value < 0:
             raise UsageError(f"`{key}={value}` must not be negative")
+    if not (0 <= t.grad_clip < float("inf")):
+        raise UsageError(f"`train.grad_clip={t.grad_clip}` must be a finite norm >= 0 (0: no clipping)")
     m = cfg.memory
     if not (0 <= m.margin_gb < 1e4):
         raise UsageError(f"`memory.margin_gb={m.margin_gb}` must be between 0 and 10000 (GB kept free per card)")

@@ -334,9 +334,13 @@ class Trainer:
                         loss = self.strategy.loss(x, y)
                     self.scaler.scale(loss / t.accum_steps).backward()
                 loss_sum += loss.detach() / t.accum_steps
+            if t.grad_clip:
+                self.scaler.unscale_(self.optimizer)
+                self.strategy.clip_grad_norm(t.grad_clip)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.step += 1
+            self.strategy.on_step_end(self.step)
             self.sample_position += t.batch_size
             window_steps += 1
             if self.step == plan_reset:

@@ -198,3 +198,113 @@ def test_lm_auto_split_evens_the_cards(tmp_path):
                                f"train.run_dir={tmp_path}", "train.run_id=lm"), cwd=ROOT, capture_output=True,
                        text=True, timeout=600)
     assert p.returncode == 0 and "memory plan (reused from" in p.stderr, p.stderr[-3000:]
+
+
+# -- correct in every case (BatchNorm, unused parameters, clipping, drift) ----------------------------
+
+class _BNNet(torch.nn.Module):
+    """Conv + BatchNorm, plus a head that never gets a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3), torch.nn.BatchNorm2d(6), torch.nn.ReLU(),
+                                        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(6, 4))
+        self.unused = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _ce(out, y, reduction="mean"):
+    return torch.nn.functional.cross_entropy(out, y, reduction=reduction)
+
+
+@pytest.mark.parametrize("gpu0", ["0", "1", "auto"])
+def test_batchnorm_statistics_survive_any_split(gpu0):
+    """Replica 0 (what checkpoints save) ends with the running mean one process computes on the whole
+    batch, and counts every step, even when it trains no samples (gpu0_batch=0)."""
+    torch.manual_seed(0)
+    ref, model = _BNNet(), _BNNet()
+    model.load_state_dict(ref.state_dict())
+    s = _strategy(3, gpu0, micro=12)
+    s.setup(model, _ce)
+    opt = s.build_optimizer(lambda p: torch.optim.SGD(p, lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(3)
+    try:
+        for step in range(5):
+            x, y = torch.randn(12, 3, 8, 8, generator=gen), torch.randint(0, 4, (12,), generator=gen)
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            with s.backward_sync(True):
+                s.loss(x, y).backward()
+            _ce(ref(x), y).backward()
+            opt.step()
+            ref_opt.step()
+            bn, ref_bn = model.body[1], ref.body[1]
+            if step == 0:  # same weights so far: the running mean is exactly one process's
+                torch.testing.assert_close(bn.running_mean, ref_bn.running_mean, rtol=1e-5, atol=1e-7)
+        assert int(bn.num_batches_tracked) == 5
+        # Later, each replica normalises by its own samples' statistics (as DDP without SyncBatchNorm), so
+        # the weights and statistics stay close to, not equal to, one process's.
+        torch.testing.assert_close(bn.running_mean, ref_bn.running_mean, rtol=0.05, atol=1e-3)
+        torch.testing.assert_close(bn.running_var, ref_bn.running_var, rtol=0.05, atol=1e-3)
+        for replica in s.replicas[1:]:
+            torch.testing.assert_close(replica.body[1].running_mean, bn.running_mean)
+        # A parameter that never gets a gradient keeps none on every replica (AdamW would decay zeros).
+        assert all(r.unused.weight.grad is None for r in s.replicas)
+    finally:
+        s.teardown()
+
+
+def test_gradient_clipping_equals_one_process():
+    torch.manual_seed(0)
+    ref, model = _BNNet(), _BNNet()
+    model.load_state_dict(ref.state_dict())
+    ref.eval()
+    model.eval()
+    s = _strategy(3, "2", micro=12)
+    s.setup(model, _ce)
+    x, y = torch.randn(12, 3, 8, 8), torch.randint(0, 4, (12,))
+    try:
+        with s.backward_sync(True):
+            s.loss(x, y).backward()
+        _ce(ref(x), y).backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+        norm = s.clip_grad_norm(0.01)
+        torch.testing.assert_close(norm, ref_norm)
+        assert ref_norm > 0.01  # the clip did something
+        for replica in s.replicas:
+            for p, q in zip(replica.parameters(), ref.parameters()):
+                if q.grad is not None:
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-7)
+    finally:
+        s.teardown()
+
+
+def test_drifting_replicas_fail_loudly():
+    spec, _, model, _, _ = _models("tiny")
+    s = _strategy(2, "auto", micro=8)
+    s.setup(model, spec.loss)
+    try:
+        s.check_replicas(1)  # identical after setup
+        with torch.no_grad():
+            next(s.replicas[1].parameters()).add_(1e-3)
+        with pytest.raises(RuntimeError, match="replica 1 .* drifted from replica 0 by up to 0.001 at step 2"):
+            s.check_replicas(2)
+    finally:
+        s.teardown()
+
+
+def test_grad_clip_through_the_cli_ddp_equals_one_process(tmp_path):
+    common = ["workload=tiny", "workload.width=8", "workload.image_size=16", "train.device=cpu", "train.steps=4",
+              "train.batch_size=8", "train.grad_clip=0.05", f"train.run_dir={tmp_path}", "train.log_every=2"]
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    for run_id, args in [("one", ["strategy=dp"]), ("two", ["strategy=ddp", "strategy.nprocs=2", "strategy.split=3,5"])]:
+        p = subprocess.run(job_cmd("train", *common, f"train.run_id={run_id}", *args), cwd=ROOT, capture_output=True,
+                           text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+    a, b = (torch.load(sorted((tmp_path / r / "checkpoints").glob("*.pt"))[-1], weights_only=False)["model"]
+            for r in ("one", "two"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5, msg=k)

@@ -52,3 +52,34 @@ def test_switches_compose_on_gpu(tmp_path):
                   "train.batch_size=32", "train.steps=4", "train.amp=bf16", "train.channels_last=true",
                   "train.activation_checkpointing=true", "train.accum_steps=2")
     assert s["steps"] == 4
+
+
+@requires_gpus(2)
+@pytest.mark.parametrize("amp,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_dp_replicas_run_in_the_autocast_dtype(amp, dtype):
+    """Stock DataParallel ran a bf16 autocast's replicas in fp16; dp passes the dtype on."""
+    from omegaconf import OmegaConf
+
+    from job.config import StrategyCfg
+    from job.strategies.dp import DataParallelStrategy
+
+    model = torch.nn.Linear(16, 8).cuda(0)
+    s = DataParallelStrategy(OmegaConf.structured(StrategyCfg(name="dp")),
+                             devices=[torch.device("cuda", 0), torch.device("cuda", 1)])
+    s.check(micro_batch=8)
+    s.setup(model, lambda out, y, reduction="mean": out.float().mean())
+    seen = []
+    model.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
+    with torch.autocast("cuda", dtype=dtype):
+        out = s.forward(torch.randn(8, 16, device="cuda:0"))
+    assert out.dtype == dtype and seen == [dtype, dtype], (out.dtype, seen)
+
+
+@requires_gpus(2)
+def test_balanced_batchnorm_and_clipping_on_two_cards(tmp_path):
+    """resnet50 (BatchNorm) with card 0 training nothing: statistics kept, clipping on, replicas checked."""
+    _, s = _train(tmp_path, "bn", "strategy=balanced", "workload=resnet50", "workload.image_size=64",
+                  "train.batch_size=16", "train.steps=4", "strategy.gpu0_batch=0", "train.grad_clip=1.0",
+                  "strategy.check_replicas_every=2")
+    state = torch.load(sorted((tmp_path / "bn" / "checkpoints").glob("*.pt"))[-1], weights_only=False)["model"]
+    assert int(state["bn1.num_batches_tracked"]) == 4 and state["bn1.running_mean"].abs().sum() > 0

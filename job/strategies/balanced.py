@@ -85,6 +85,7 @@ class BalancedStrategy(Strategy):
         self.workers: list[_Worker] = []
         self.micro_batch = 0
         self.mode: str | list[int] = "even"
+        self._last_sizes: list[int] | None = None
 
     def check(self, *, micro_batch: int) -> None:
         self.micro_batch = micro_batch
@@ -186,7 +187,6 @@ class BalancedStrategy(Strategy):
     def loss(self, x, y):
         total = x.shape[0]
         sizes = self.sizes if sum(self.sizes) == total else split_sizes(total, len(self.devices))
-        self._sync_buffers()
         xs, ys = x.split(sizes), y.split(sizes)
         amp = {d.type: (torch.is_autocast_enabled(d.type), torch.get_autocast_dtype(d.type)) for d in self.devices}
         grad = torch.is_grad_enabled()
@@ -204,43 +204,96 @@ class BalancedStrategy(Strategy):
                    for k in range(1, len(self.devices)) if sizes[k]]
         sums = [forward(0)] if sizes[0] else []
         sums += [_result(done) for _, done in pending]
+        self._last_sizes = sizes
         dev0 = self.devices[0]
         # Only scalars cross to GPU 0: the mean over all samples, whatever the split.
         return torch.stack([s.to(dev0) for s in sums]).sum() / total
 
     @contextlib.contextmanager
     def backward_sync(self, enabled: bool):
+        self._last_sizes = None
         yield
+        if self._last_sizes is not None:  # after backward: BatchNorm's saved inputs are no longer needed
+            self._average_buffers(self._last_sizes)
         if enabled and len(self.replicas) > 1:
             self._allreduce_grads()
 
     def _allreduce_grads(self) -> None:
+        """Sum every replica's gradients (each is its samples' share of the full-batch mean). A parameter
+        that got no gradient on any replica keeps none, as in one process (no zeros for AdamW to decay);
+        a replica that trained no samples takes the others'."""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         per_replica = self._params
+        used = [i for i in range(len(per_replica[0])) if any(params[i].grad is not None for params in per_replica)]
+        if not used:
+            return
         flats = []
         for params in per_replica:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            grads = [params[i].grad if params[i].grad is not None else torch.zeros_like(params[i]) for i in used]
             flats.append(_flatten_dense_tensors(grads))
         _allreduce_sum(flats, self.devices)
         for params, flat in zip(per_replica, flats):
-            for p, g in zip(params, _unflatten_dense_tensors(flat, params)):
+            chosen = [params[i] for i in used]
+            for p, g in zip(chosen, _unflatten_dense_tensors(flat, chosen)):
                 if p.grad is None:
                     p.grad = g
                 else:
                     p.grad.copy_(g)
 
-    def _sync_buffers(self) -> None:
-        """BatchNorm running stats etc.: replica 0's win (as DDP's broadcast_buffers)."""
-        if len(self.replicas) < 2:
-            return
+    def _average_buffers(self, sizes: list[int]) -> None:
+        """After a micro-step, every replica's BatchNorm statistics become the sample-weighted mean of what
+        the replicas computed (for running means this equals one process's update on the whole batch);
+        counters (num_batches_tracked) come from the replica with the largest share. A card with a small
+        or empty share therefore neither loses nor dilutes the statistics, and replica 0 (which the
+        checkpoint saves) holds them too."""
         bufs = self._buffers
-        if not bufs[0]:
+        if len(self.replicas) < 2 or not bufs[0]:
             return
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        total = sum(sizes)
+        floats = [i for i, b in enumerate(bufs[0]) if b.is_floating_point()]
+        others = [i for i, b in enumerate(bufs[0]) if not b.is_floating_point()]
+        src = max(range(len(sizes)), key=lambda k: (sizes[k], -k))
         with torch.no_grad():
-            for k in range(1, len(bufs)):
-                for src, dst in zip(bufs[0], bufs[k]):
-                    dst.copy_(src, non_blocking=True)
+            if floats:
+                flats = [_flatten_dense_tensors([bufs[k][i] * (sizes[k] / total) for i in floats])
+                         for k in range(len(bufs))]
+                _allreduce_sum(flats, self.devices)
+                for k, flat in enumerate(flats):
+                    targets = [bufs[k][i] for i in floats]
+                    for t, v in zip(targets, _unflatten_dense_tensors(flat, targets)):
+                        t.copy_(v)
+            for k in range(len(bufs)):
+                if k != src:
+                    for i in others:
+                        bufs[k][i].copy_(bufs[src][i], non_blocking=True)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """One process's clipping: the norm of one replica's (all-reduced, identical) gradients, and the
+        same factor applied on every replica (a norm over the optimizer's params would count each copy)."""
+        grads = [p.grad for p in self._params[0] if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads)
+        for k, params in enumerate(self._params):
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(self.devices[k]))
+        return total
+
+    def on_step_end(self, step: int) -> None:
+        every = self.cfg.check_replicas_every
+        if every and step % every == 0 and len(self.replicas) > 1:
+            self.check_replicas(step)
+
+    def check_replicas(self, step: int) -> None:
+        """The replicas must stay identical (same gradient, same optimizer); a drift is a bug: fail loudly."""
+        with torch.no_grad():
+            ref = self._params[0]
+            for k in range(1, len(self._params)):
+                worst = max(((p.detach().to(ref[0].device) - q.detach()).abs().max().item() for p, q in
+                            zip(self._params[k], ref)), default=0.0)
+                if worst > 0:
+                    raise RuntimeError(f"balanced: replica {k} ({self.devices[k]}) drifted from replica 0 by up to "
+                                       f"{worst:.3g} at step {step}; report this with the run's config")
 
     def teardown(self) -> None:
         for w in self.workers:

@@ -82,6 +82,13 @@ class Strategy:
     def load_optimizer_state_dict(self, opt, sd: dict) -> None:
         opt.load_state_dict(sd)
 
+    def on_step_end(self, step: int) -> None:
+        """Called after each optimizer step (balanced checks its replicas here)."""
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """Clip the (reduced) gradients to a global norm, as one process would; returns the norm."""
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean loss over this micro-batch (over all ranks' samples, after the gradient reduce)."""
         return self.loss_fn(self.forward(x), y)

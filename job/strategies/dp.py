@@ -1,12 +1,16 @@
 """`dp`: stock torch.nn.DataParallel, the baseline.
 
 Scatter from GPU 0, replicate every step, gather all outputs onto GPU 0, compute the loss there.
-This is the behaviour whose GPU-0 pile-up the project measures; the only departure from the stock
-recipe is that cuDNN autotuning is turned off (see base.disable_cudnn_autotune).
+This is the behaviour whose GPU-0 pile-up the project measures; the two departures from the stock
+recipe are the smallest fixes of two DataParallel bugs: cuDNN autotuning is turned off (see
+base.disable_cudnn_autotune), and each replica's autocast gets the caller's dtype (torch's parallel_apply
+passes only `enabled` to the replica threads, so a bf16 autocast ran the replicas in fp16, with no
+GradScaler).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from job.strategies.base import Strategy, check_at_least_one_per_card, disable_cudnn_autotune
@@ -23,11 +27,32 @@ class DataParallelStrategy(Strategy):
         if self.device.type == "cuda" and len(self.devices) > 1:
             disable_cudnn_autotune(self.name, self.devices)
             # Outputs are gathered on GPU 0 and the loss is computed there (base.loss): the stock recipe.
-            self.forward = nn.DataParallel(self.forward, device_ids=[d.index for d in self.devices],
+            self.autocast = _ReplicaAutocast(self.forward)
+            self.forward = nn.DataParallel(self.autocast, device_ids=[d.index for d in self.devices],
                                            output_device=self.devices[0].index)
+
+    def loss(self, x, y):
+        if hasattr(self, "autocast"):  # the replicas copy this attribute when DataParallel replicates
+            self.autocast.amp = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        return super().loss(x, y)
 
     def even_sizes(self, micro_batch: int) -> list[int]:
         """What DataParallel's scatter gives each card: torch.chunk's sizes (ceil; later cards may get less)."""
         n = len(self.devices)
         size = -(-micro_batch // n)
         return [max(0, min(size, micro_batch - k * size)) for k in range(n)]
+
+
+class _ReplicaAutocast(nn.Module):
+    """Runs the model under autocast with the dtype of the caller's autocast (set in `amp` per call)."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.amp: tuple[bool, torch.dtype | None] = (False, None)
+
+    def forward(self, x):
+        enabled, dtype = self.amp
+        with torch.autocast("cuda", dtype=dtype, enabled=enabled):
+            return self.inner(x)
+
