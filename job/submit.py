@@ -41,7 +41,7 @@ from job.config import load, split_args
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
 
 log = logging.getLogger("job")
-# sbatch lines for every job: device order before CUDA starts (DESIGN.md: Device identity).
+# sbatch lines for every job: device order before CUDA starts (docs/design.md: device identity).
 SETUP = ["export CUDA_DEVICE_ORDER=PCI_BUS_ID"]
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]*$")
 # After a stop without SIGUSR2: how long to wait for the SIGUSR2 that submitit's preemption sends after SIGTERM.

@@ -121,7 +121,7 @@ def disable_cudnn_autotune(strategy: str, devices: list[torch.device]) -> None:
         log.info(
             "%s: turned cudnn.benchmark off: DataParallel runs each replica in a new thread every step and "
             "cuDNN's autotune cache is per thread, so it would re-tune every step (18x slower measured on "
-            "2xH200, docs/benchmarks.md)", strategy,
+            "2xH200, docs/design.md)", strategy,
         )
 
 
