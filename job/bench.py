@@ -391,7 +391,7 @@ def summarize(runs: list[dict], names: list[str], *, window: list[int]) -> list[
     return rows
 
 
-def _summary_scaling(rows: list[dict], n: int) -> None:
+def summary_scaling(rows: list[dict], n: int) -> None:
     """scaling vs 1 from the medians: throughput_n / (n x throughput_1), for rows that used the n cards."""
     base = next((r for r in rows if r["kind"] == "baseline"), None)
     for r in rows:
@@ -942,15 +942,13 @@ class Bench:
                 name, kind, strategy, extra, env = item
                 runs.append(self.run_one(workload, name, kind, strategy, extra=extra, env=env, repeat=rep + 1,
                                          run_id=f"{workload}-{name}-r{rep + 1}"))
-                if self.interrupted:
-                    break
-            if self.interrupted:
+            if self.interrupted:  # this repeat's other runs are listed as not run; no further repeats
                 break
         _scaling(runs, n)
         overhead = self._telemetry_overhead(workload, runs) if self.b.telemetry_overhead else None
         names = [p["name"] if isinstance(p, dict) else p[0] for p in plan]
         summary = summarize(runs, names, window=[self.b.warmup, self.b.warmup + self.b.steps])
-        _summary_scaling(summary, n)
+        summary_scaling(summary, n)
         return {"workload": workload, "unit": spec.unit, "units_per_sample": spec.units_per_sample(ref_cfg.workload),
                 "global_batch": global_batch, "cards": n, "runs": runs, "summary": summary,
                 "comparisons": comparisons(summary), "telemetry_overhead": overhead, "imagefolder": images,
@@ -1112,9 +1110,12 @@ class Bench:
             (self.out / "overrides.yaml").write_text(overrides_yaml)
             where = (f"{self.cuda} GPU(s)" if self.cuda else
                      f"CPU ({self.cards} ddp processes stand in for cards; no GPU numbers here)")
-            log.info("bench %s: %s, workloads %s, strategies %s, %d+%d steps x %d -> %s", self.b.mode, where,
-                     ",".join(self.workloads), ",".join(self.b.strategies), self.b.warmup, self.b.steps,
-                     self.b.repeats, self.out)
+            b = self.b
+            what = {"compare": f"{b.warmup}+{b.steps} steps x {b.repeats} repeat(s)",
+                    "maxbatch": f"trials of {b.maxbatch_steps} steps, at most {b.maxbatch_trials} per strategy",
+                    "profile": f"{b.profile_steps} steps profiled after {b.warmup}"}[b.mode]
+            log.info("bench %s: %s, workloads %s, strategies %s, %s -> %s", b.mode, where, ",".join(self.workloads),
+                     ",".join(b.strategies), what, self.out)
             one = {"compare": self.bench_workload, "maxbatch": self.maxbatch_workload,
                    "profile": self.profile_workload}[self.b.mode]
             for w in self.workloads:
@@ -1331,11 +1332,11 @@ def environment(results: list[dict]) -> dict[str, Any]:
 # -- table and chart ----------------------------------------------------------------------------
 
 
-def _fmt(s: dict | None, scale: float = 1.0, spec: str = ",.0f") -> str:
+def _fmt(s: dict | None, scale: float = 1.0, spec: str = ",.0f", suffix: str = "") -> str:
     """`median` for one run (or equal values), else `median (min-max)`."""
     if s is None:
         return "-"
-    med = format(s["median"] / scale, spec)
+    med = format(s["median"] / scale, spec) + suffix
     if s["n"] < 2 or s["min"] == s["max"]:
         return med
     return f"{med} ({format(s['min'] / scale, spec)}-{format(s['max'] / scale, spec)})"
@@ -1402,7 +1403,7 @@ def table(doc: dict, w: dict) -> str:
         body.append([
             r["name"], _registered_name(r["strategy"]), r["data"], f"{r['world_size']}/{r['units']}" if ok else "-",
             cards("peak_allocated_bytes"), cards("peak_reserved_bytes"), cards("nvml_used_bytes"),
-            (_fmt(r["imbalance"], 1, ".2f") + "x") if r["imbalance"] else "-",
+            _fmt(r["imbalance"], 1, ".2f", "x"),
             _fmt(r["units_per_s"]), scaling, status,
         ])
     lines += _grid(head, body)
@@ -1709,8 +1710,8 @@ def profile_step(cfg, out: Path) -> dict[str, Any]:
         with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
             shutil.copyfileobj(src, dst)
     where = (f"{len(trainer.devices)} GPU(s)" if cuda else "CPU")
-    note = ("phases are timed between device syncs (each phase holds its own GPU work; overlap between "
-            "phases is removed, so the step is a little slower than unprofiled)")
+    note = ("phases are timed between device syncs, so each holds its own GPU work; overlap between phases "
+            "is removed, so the step is a little slower than unprofiled")
     lines = [f"profile {cfg.strategy.name}, {cfg.workload.name}, global batch {cfg.train.batch_size}, {where}: "
              f"{steps} steps after {warm} warm-up, {step_ms:.2f} ms per step", f"({note})"]
     lines += _grid(["phase", "ms/step", "share", "calls"],
@@ -1758,7 +1759,7 @@ def run(cfg) -> int:
 
 
 __all__ = ["RESULT_SCHEMA", "Tenant", "batch_rule", "classify_trial", "compare", "image_folder", "profile_main",
-           "run", "search_max_batch", "spread", "summarize", "table", "timed_throughput", "user_overrides",
+           "run", "search_max_batch", "spread", "summarize", "summary_scaling", "table", "timed_throughput", "user_overrides",
            "write_chart"]
 
 if __name__ == "__main__":

@@ -372,6 +372,8 @@ class Trainer:
         (self.run_dir / "summary.json").write_text(json.dumps(summary_doc, indent=2) + "\n")
         title = (f"per-card memory: {self.cfg.strategy.name}, {self.cfg.workload.name}, global batch "
                  f"{t.batch_size}, {self.step} steps (run {self.run_id})")
+        if self.clock.start_step:  # peaks were reset when timing started
+            title += f"; peaks over steps {self.clock.start_step + 1}-{self.step}"
         print(report.table(rows, throughput=throughput * k, unit=unit, title=title), flush=True)
 
     def close(self) -> None:
