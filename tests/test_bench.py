@@ -70,8 +70,7 @@ def runs_by_name(doc: dict) -> dict[str, dict]:
 
 def test_bench_tiny_end_to_end(tmp_path):
     out = tmp_path / "b"
-    p = run_bench(out, "bench.warmup=2", "bench.steps=6", "bench.repeats=2", "strategies=[dp,ddp]", "train.lr=0.01",
-                  "bench.telemetry_overhead=true", "bench.telemetry_strategy=dp", "bench.scrape_interval_s=0.05")
+    p = run_bench(out, "bench.warmup=2", "bench.steps=6", "bench.repeats=2", "strategies=[dp,ddp]", "train.lr=0.01")
     assert p.returncode == 0, p.stdout + p.stderr
 
     # The table is printed last: one row per compared run name (median and range of the repeats).
@@ -84,7 +83,6 @@ def test_bench_tiny_end_to_end(tmp_path):
     rows = [line.split()[0] for line in lines[5:8]]
     assert rows == ["1proc", "dp", "ddp"], table
     assert "ratios of medians (a claim only where the repeats' ranges do not overlap):" in table
-    assert "telemetry overhead (dp, 1 pair(s), scraped every 0.05 s" in table
     assert "results:" in p.stdout.splitlines()[-1]
 
     doc = json.loads((out / "bench.json").read_text())
@@ -104,7 +102,8 @@ def test_bench_tiny_end_to_end(tmp_path):
     # Two repeats, the order rotated by one: no strategy always runs first.
     assert [(r["name"], r["repeat"]) for r in compared] == [
         ("1proc", 1), ("dp", 1), ("ddp", 1), ("dp", 2), ("ddp", 2), ("1proc", 2)]
-    for r in compared + [next(r for r in w["runs"] if r["name"] == "telemetry-on-1")]:
+    assert len(w["runs"]) == 6 and w["telemetry_overhead"] is None and w["imagefolder"] is None
+    for r in compared:
         assert r["status"] == "ok" and r["exit_code"] == 0, r
         assert r["samples_per_s"] > 0 and r["trainer_samples_per_s"] > 0 and r["timed_steps"] == 6
         assert abs(r["step_s"] * r["samples_per_s"] - r["batch_size"]) < 1e-6
@@ -114,8 +113,8 @@ def test_bench_tiny_end_to_end(tmp_path):
         cmd = r["command"]
         assert cmd[:4] == ["python", "-m", "job", "train"]
         for key in ("train.steps=8", "train.timing_warmup=2", "train.log_every=2", "train.checkpoint_every=0",
-                    f"train.run_id=tiny-{r['name']}-r{r['repeat']}" if r["kind"] != "telemetry_on" else "train.run_id="):
-            assert any(a.startswith(key) for a in cmd), (key, cmd)
+                    f"train.run_id=tiny-{r['name']}-r{r['repeat']}"):
+            assert key in cmd, (key, cmd)
         run_dir = Path(r["run_dir"])
         assert json.loads((run_dir / "summary.json").read_text())["peak_window"] == [2, 8]
         assert not (run_dir / "checkpoints").exists()  # removed: a bench needs none
@@ -141,18 +140,6 @@ def test_bench_tiny_end_to_end(tmp_path):
     assert c["verdict"] == ("overlapping" if bench.overlapping(dp["units_per_s"], ddp["units_per_s"])
                             else "ranges do not overlap")
     assert f"  dp / ddp: img/s {c['ratio']:.2f}x: {c['verdict']}" in table
-
-    o = w["telemetry_overhead"]
-    on = next(r for r in w["runs"] if r["name"] == "telemetry-on-1")
-    dp1 = first[("dp", 1)]
-    assert any(a.startswith("telemetry.port=") and a != "telemetry.port=0" for a in on["command"])
-    # dp's first run (telemetry off, the same command otherwise) is the "off" side of the pair.
-    assert (o["off_runs"], o["on_runs"]) == (["dp (repeat 1)"], ["telemetry-on-1"])
-    assert [a for a in on["command"] if not a.startswith(("telemetry.", "train.run_id="))] == \
-        [a for a in dp1["command"] if not a.startswith("train.run_id=")]
-    assert o["off_step_s"] == [dp1["step_s"]] and o["on_step_s"] == [on["step_s"]]
-    assert on["scrapes_ok"] >= 1, on  # the exporter really served /metrics while it trained
-    assert o["scrapes_ok"] == on["scrapes_ok"] and o["note"] is None
 
     assert doc["chart"] == str(out / "bench.png")
     assert_png(out / "bench.png")
@@ -494,7 +481,7 @@ def test_maxbatch_end_to_end_on_a_real_out_of_memory(tmp_path):
     out = tmp_path / "m"
     cmd = job_cmd("bench", "bench.mode=maxbatch", "workload=tiny", "workload.width=8", "workload.image_size=64",
                   "train.device=cpu", "train.lr=0.01", "strategies=[dp]", f"bench.out={out}",
-                  "bench.maxbatch_start=128", "bench.maxbatch_precision=0.5", "bench.maxbatch_trials=5")
+                  "bench.maxbatch_start=256", "bench.maxbatch_precision=0.5", "bench.maxbatch_trials=5")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, preexec_fn=cap)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -522,7 +509,7 @@ def test_maxbatch_end_to_end_on_a_real_out_of_memory(tmp_path):
     table = p.stdout[p.stdout.index("== bench maxbatch tiny"):]
     row = next(x for x in table.splitlines() if x.startswith("dp "))
     assert row.split()[1:3] == [str(r["largest"]), str(r["smallest_too_big"])]
-    assert "  dp trials: 128 fits" in table
+    assert "  dp trials: 256 " in table
     assert_png(out / "bench.png")
 
 
@@ -562,26 +549,40 @@ def test_image_folder_is_generated_once_and_reused(tmp_path):
 
 def test_imagefolder_rows_end_to_end(tmp_path):
     out, images = tmp_path / "i", tmp_path / "images"
+    # With the telemetry on/off pair (the real exporter, scraped over loopback) in the same bench.
     p = run_bench(out, "bench.warmup=1", "bench.steps=3", "bench.repeats=1", "bench.baseline=none",
-                  "strategies=[ddp]", "train.batch_size=8", "bench.imagefolder=true", "bench.imagefolder_images=20",
-                  f"bench.imagefolder_dir={images}")
+                  "strategies=[dp]", "train.batch_size=8", "bench.imagefolder=true", "bench.imagefolder_images=20",
+                  f"bench.imagefolder_dir={images}", "bench.telemetry_overhead=true", "bench.telemetry_strategy=dp",
+                  "bench.scrape_interval_s=0.05")
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads((out / "bench.json").read_text())
     validate(doc)
     w = doc["workloads"][0]
     assert w["imagefolder"]["images"] == 20 and len(list(images.rglob("*.jpg"))) == 20
     runs = runs_by_name(doc)
-    syn, img = runs["ddp"], runs["ddp+imagefolder"]
+    syn, img = runs["dp"], runs["dp+imagefolder"]
     assert (syn["data"], img["data"], img["kind"]) == ("synthetic", "imagefolder", "imagefolder")
-    assert img["status"] == "ok" and img["samples_per_s"] > 0 and img["world_size"] == 2
+    assert img["status"] == "ok" and img["samples_per_s"] > 0 and img["world_size"] == 1
     for arg in ("data.kind=imagefolder", f"data.path={images}", "data.prefetch=true", "data.workers=1"):
         assert arg in img["command"], img["command"]
-    assert "data.kind: imagefolder" in (Path(img["run_dir"]) / "config.yaml").read_text()
-    (c,) = [c for c in w["comparisons"] if c["a"] == "ddp+imagefolder"]
-    assert c["b"] == "ddp" and c["verdict"] == "one run each: no claim"
+    assert "kind: imagefolder" in (Path(img["run_dir"]) / "config.yaml").read_text()
+    (c,) = [c for c in w["comparisons"] if c["a"] == "dp+imagefolder"]
+    assert c["b"] == "dp" and c["verdict"] == "one run each: no claim"
     table = p.stdout[p.stdout.index("== bench tiny"):]
-    assert "ddp+imagefolder  ddp       imagefolder" in table
+    assert "dp+imagefolder  dp        imagefolder" in table
     assert "imagefolder: 20 generated JPEG files" in table
+    assert "telemetry overhead (dp, 1 pair(s), scraped every 0.05 s" in table
+    o = w["telemetry_overhead"]
+    on = next(r for r in w["runs"] if r["name"] == "telemetry-on-1")
+    dp1 = runs["dp"]
+    assert any(a.startswith("telemetry.port=") and a != "telemetry.port=0" for a in on["command"])
+    # dp's first run (telemetry off, the same command otherwise) is the "off" side of the pair.
+    assert (o["off_runs"], o["on_runs"]) == (["dp (repeat 1)"], ["telemetry-on-1"])
+    assert [a for a in on["command"] if not a.startswith(("telemetry.", "train.run_id="))] == \
+        [a for a in dp1["command"] if not a.startswith("train.run_id=")]
+    assert o["off_step_s"] == [dp1["step_s"]] and o["on_step_s"] == [on["step_s"]]
+    assert on["scrapes_ok"] >= 1, on  # the exporter really served /metrics while it trained
+    assert o["scrapes_ok"] == on["scrapes_ok"] and o["note"] is None
 
 
 # -- profile ------------------------------------------------------------------------------------
@@ -633,3 +634,51 @@ def test_bench_on_two_gpus(tmp_path):
     assert ddp["imbalance"] < 1.1
     assert doc["workloads"][0]["telemetry_overhead"]["scrapes_ok"] > 0
     assert_png(out / "bench.png")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@requires_gpus(2)
+def test_maxbatch_with_a_tenant_on_two_gpus(tmp_path):
+    """The shared-card case for real: a tenant holds half of card 0; dp and ddp searched on lm."""
+    import torch
+
+    out = tmp_path / "mb"
+    tenant = round(torch.cuda.get_device_properties(0).total_memory * 0.5 / 1e9)
+    args = ["bench.mode=maxbatch", "workload=lm", "workload.layers=2", "train.amp=bf16", "strategies=[dp,ddp]",
+            f"bench.tenant_gb={tenant}", "bench.maxbatch_start=16", "bench.maxbatch_trials=8",
+            "bench.maxbatch_precision=0.25", f"bench.out={out}"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}
+    p = subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=3000, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((out / "bench.json").read_text())
+    validate(doc, required=False)
+    assert doc["tenant"]["gb"] == tenant and f"held {tenant} GB on cuda:0 during every run" in p.stdout
+    for r in doc["workloads"][0]["maxbatch"]:
+        assert r["largest"] and r["smallest_too_big"] and not r["error"], r
+        assert len(r["cards"]) == 2 and all(c["peak_allocated_bytes"] > 0 for c in r["cards"])
+        card0 = min(r["cards"], key=lambda c: c["device"])
+        assert card0["nvml_used_bytes"] > tenant * 1e9  # NVML sees the tenant's memory on card 0
+    # The tenant is gone when the bench is.
+    free = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info(0)[0])"],
+                          capture_output=True, text=True, env=env, check=True, timeout=120).stdout
+    assert int(free) > tenant * 1e9
+    assert_png(out / "bench.png")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@requires_gpus(2)
+def test_profile_dp_on_two_gpus(tmp_path):
+    out = tmp_path / "pg"
+    args = ["bench.mode=profile", "strategies=[dp]", "workload=lm", "workload.layers=2", "train.amp=bf16",
+            "bench.warmup=3", "bench.profile_steps=3", f"bench.out={out}"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}
+    p = subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (prof,) = json.loads((out / "bench.json").read_text())["workloads"][0]["profiles"]
+    phases = {ph["name"]: ph for ph in prof["phases"]}
+    for name in ("scatter", "replicate", "parallel_apply", "gather", "loss", "backward", "optimizer"):
+        assert phases[name]["calls"] == 3 and phases[name]["ms_per_step"] > 0, name
+    assert prof["sort_by"] == "self_cuda_ms" and prof["top_ops"][0]["self_cuda_ms"] > 0
+    assert "replicate" in (out / "profile-lm-dp.txt").read_text()
