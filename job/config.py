@@ -190,7 +190,7 @@ class SubmitCfg:
 @dataclass
 class BenchCfg:
     strategies: list[str] = field(default_factory=lambda: ["dp", "balanced", "ddp"])
-    """Strategy presets to compare, each in a fresh `python -m job train` process (unregistered: skipped)."""
+    """Strategy presets to compare, each in a fresh `python -m job train` process (unknown: refused)."""
     workloads: list[str] = field(default_factory=list)
     """Workloads to bench, one table each (empty: the config's workload, i.e. workload=...)."""
     steps: int = 50
@@ -213,6 +213,33 @@ class BenchCfg:
     """Telemetry comparison: seconds between scrapes of /metrics while the run trains."""
     out: str = ""
     """Output folder (empty: <train.run_dir>/bench-<UTC timestamp>)."""
+    mode: str = "compare"
+    """compare (strategies side by side) | maxbatch (largest global batch per strategy) | profile (where a
+    single-process strategy's step time goes, torch.profiler)."""
+    repeats: int = 3
+    """compare: runs of every row, the order rotated each repeat; the table shows median and min-max."""
+    tenant_gb: float = 0.0
+    """GB (1e9 bytes) another process holds on card 0 while the bench runs (the shared-card case); 0: none."""
+    imagefolder: bool = False
+    """compare: also run each strategy on JPEG files generated on disk (data.kind=imagefolder, DataLoader
+    workers, pinned memory, data.prefetch), next to the synthetic rows; needs an image workload."""
+    imagefolder_images: int = 3000
+    """imagefolder: JPEG files to generate (about 400-500 px a side, 10 classes)."""
+    imagefolder_dir: str = ""
+    """imagefolder: where the files are generated and reused (empty: <train.run_dir>/bench-images)."""
+    maxbatch_start: int = 0
+    """maxbatch: first global batch tried (0: train.batch_size); doubled until a trial does not fit."""
+    maxbatch_steps: int = 3
+    """maxbatch: optimizer steps per trial (the first is warm-up; peaks are taken over the others)."""
+    maxbatch_trials: int = 12
+    """maxbatch: most trials per strategy."""
+    maxbatch_minutes: float = 30.0
+    """maxbatch: most minutes per strategy's search (a trial is stopped when this runs out)."""
+    maxbatch_precision: float = 0.05
+    """maxbatch: stop bisecting once the gap between fits and too big is at most this fraction of the
+    batch that fits (0: down to the granularity)."""
+    profile_steps: int = 5
+    """profile: steps profiled after bench.warmup."""
 
 
 @dataclass
@@ -234,6 +261,7 @@ CHOICES = {
     "data.kind": ("synthetic", "imagefolder"),
     "strategy.backend": ("auto", "nccl", "gloo"),
     "submit.executor": ("auto", "slurm", "local"),
+    "bench.mode": ("compare", "maxbatch", "profile"),
 }
 # A top-level key some commands accept as shorthand for a nested one.
 ALIASES = {"strategies": "bench.strategies"}

@@ -319,6 +319,7 @@ class Trainer:
         warm = t.timing_warmup if t.timing_warmup >= 0 else min(10, max(1, (t.steps - self.step) // 10))
         warm_step = self.step + warm
         if warm == 0:
+            self._reset_peaks()
             self.clock.start(self.step)
         window_start, window_steps = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=self.device)
@@ -351,6 +352,7 @@ class Trainer:
 
             if warm and self.step == warm_step:
                 self._sync()
+                self._reset_peaks()
                 self.clock.start(self.step)
             if self.step == t.steps:
                 self._sync()
@@ -379,6 +381,13 @@ class Trainer:
         scale = min(1.0, (self.step + 1) / t.warmup_steps) if t.warmup_steps else 1.0
         for group in self.optimizer.param_groups:
             group["lr"] = t.lr * scale
+
+    def _reset_peaks(self) -> None:
+        """Peak memory counts from where the clock starts (the timed steps), the same window for every
+        strategy; summary.json records it as peak_window."""
+        for d in self.devices:
+            if d.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(d)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -439,11 +448,14 @@ class Trainer:
             "run_id": self.run_id, "steps": self.step, "strategy": self.cfg.strategy.name,
             "workload": self.cfg.workload.name, "world_size": self.env.world_size,
             "samples_per_s": throughput, f"{unit}_per_s": throughput * k, "imbalance": report.imbalance(rows),
+            "peak_window": [self.clock.start_step, self.step],  # peaks: steps after start_step up to here
             "cards": rows,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary_doc, indent=2) + "\n")
         title = (f"per-card memory: {self.cfg.strategy.name}, {self.cfg.workload.name}, global batch "
                  f"{t.batch_size}, {self.step} steps (run {self.run_id})")
+        if self.clock.start_step:  # peaks were reset when timing started
+            title += f"; peaks over steps {self.clock.start_step + 1}-{self.step}"
         print(report.table(rows, throughput=throughput * k, unit=unit, title=title), flush=True)
 
     def close(self) -> None:

@@ -1,9 +1,19 @@
-# Benchmark (issue 8): every strategy side by side, each in a fresh trainer process; docs/benchmarks.md.
+# Benchmark (issues 8, 12, 16): every strategy side by side, each in a fresh trainer process; docs/benchmarks.md.
 # GPUs visible: workloads resnet50 and lm on all visible cards (plus the 1-GPU baseline); no GPU: tiny.
 # ARGS='key=value ...' is passed on, e.g. ARGS='train.amp=bf16 bench.telemetry_overhead=true'.
-.PHONY: bench
+.PHONY: bench bench-maxbatch bench-profile
 
-bench: setup ## Benchmark every strategy (GPUs: resnet50 + lm on all visible cards; CPU: tiny) -> runs/bench-*/
+bench: setup ## Benchmark every strategy, 3 repeats (GPUs: resnet50 + lm on all visible cards; CPU: tiny) -> runs/bench-*/
 	@workloads=$$($(PY) -c 'import torch; print("[resnet50,lm]" if torch.cuda.is_available() else "[tiny]")'); \
 	  echo "$(PY) -m job bench bench.workloads=$$workloads $(ARGS)"; \
 	  $(PY) -m job bench bench.workloads=$$workloads $(ARGS)
+
+bench-maxbatch: setup ## Largest global batch each strategy trains (GPUs: lm bf16; CPU: tiny); ARGS='bench.tenant_gb=80' shares card 0
+	@args=$$($(PY) -c 'import torch; print("workload=lm train.amp=bf16" if torch.cuda.is_available() else "workload=tiny")'); \
+	  echo "$(PY) -m job bench bench.mode=maxbatch $$args $(ARGS)"; \
+	  $(PY) -m job bench bench.mode=maxbatch $$args $(ARGS)
+
+bench-profile: setup ## Where a dp step's time goes (torch.profiler; GPUs: lm bf16; CPU: tiny) -> runs/bench-*/profile-*
+	@args=$$($(PY) -c 'import torch; print("workload=lm train.amp=bf16" if torch.cuda.is_available() else "workload=tiny")'); \
+	  echo "$(PY) -m job bench bench.mode=profile strategies=[dp] $$args $(ARGS)"; \
+	  $(PY) -m job bench bench.mode=profile strategies=[dp] $$args $(ARGS)

@@ -1,18 +1,25 @@
 """`python -m job bench`: the whole path on CPU through the real entry point and the real trainer.
 
 The end-to-end tests run the trainer in fresh processes exactly as on GPUs (baseline, dp, ddp over
-gloo, the telemetry on/off pair with a real exporter scraped over loopback) and check the printed
-table, bench.json against RESULT_SCHEMA (every key, every type), and bench.png. A GPU-shaped result
-document (there is no GPU here) checks the per-card columns and the chart's memory bars offline;
-the GPU test at the bottom runs the real thing on 2 cards.
+gloo, repeats in rotated order, the telemetry on/off pair with a real exporter scraped over loopback,
+imagefolder rows on generated JPEG files, a maxbatch search that ends on a real out-of-memory error,
+the dp profile) and check the printed table, bench.json against RESULT_SCHEMA (every key, every type),
+and bench.png. Pure unit tests cover the median/range/claim rule, the same-window rule, the search
+against a fake trial, the tenant's lifecycle and the image generation. A GPU-shaped result document
+(there is no GPU here) checks the per-card columns and the chart offline; the GPU tests at the bottom
+run the real thing on 2 cards.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
+import math
 import os
+import resource
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -63,67 +70,76 @@ def runs_by_name(doc: dict) -> dict[str, dict]:
 
 def test_bench_tiny_end_to_end(tmp_path):
     out = tmp_path / "b"
-    p = run_bench(out, "bench.warmup=2", "bench.steps=8", "strategies=[dp,ddp,nosuch]", "train.lr=0.01",
-                  "bench.telemetry_overhead=true", "bench.telemetry_strategy=dp", "bench.scrape_interval_s=0.05")
+    p = run_bench(out, "bench.warmup=2", "bench.steps=6", "bench.repeats=2", "strategies=[dp,ddp]", "train.lr=0.01")
     assert p.returncode == 0, p.stdout + p.stderr
 
-    # The table is printed last, one row per run, in order.
+    # The table is printed last: one row per compared run name (median and range of the repeats).
     table = p.stdout[p.stdout.index("== bench tiny"):].split("\n\n")[0]
-    rows = [line.split()[0] for line in table.splitlines()[3:] if not line.startswith(("(", "telemetry overhead"))]
-    assert rows == ["1proc", "dp", "ddp", "nosuch", "telemetry-on-1"], table
+    lines = table.splitlines()
+    assert lines[0] == ("== bench tiny: global batch 16, CPU, 2 ddp processes, 2 warm-up + 6 timed steps, "
+                        "2 repeat(s) (order rotated each repeat)")
+    assert lines[1].startswith("per-card peaks over the timed steps 3-8 (each run resets its peak counters")
+    assert lines[2].startswith("torch ") and "; commit " in lines[2]  # versions and commit in every table
+    rows = [line.split()[0] for line in lines[5:8]]
+    assert rows == ["1proc", "dp", "ddp"], table
+    assert "ratios of medians (a claim only where the repeats' ranges do not overlap):" in table
     assert "results:" in p.stdout.splitlines()[-1]
-    assert "global batch 16, CPU, 2 ddp processes, 2 warm-up + 8 timed steps" in table
-    assert "skipped: strategy `nosuch` is not registered" in table
-    assert "telemetry overhead (dp, 1 pair(s), scraped every 0.05 s" in table
 
     doc = json.loads((out / "bench.json").read_text())
     validate(doc)
-    assert doc["device"] == "cpu" and doc["cards"] == 2 and doc["failed"] == 0
+    assert doc["mode"] == "compare" and doc["device"] == "cpu" and doc["cards"] == 2 and doc["failed"] == 0
+    assert doc["tenant"] is None and doc["settings"]["repeats"] == 2
     assert doc["settings"]["overrides"] == {
         "workload": {"width": 8, "image_size": 16}, "train": {"batch_size": 16, "device": "cpu", "lr": 0.01}}
     env = doc["environment"]
     assert env["torch"] and env["command"].startswith("python -m job bench ") and env["gpus"] == []
     assert env["commit"] is None or len(env["commit"]) == 40
+    assert "torchvision" in env and "nccl" in env
     w = doc["workloads"][0]
     assert (w["workload"], w["unit"], w["global_batch"], w["cards"]) == ("tiny", "img", 16, 2)
 
-    runs = runs_by_name(doc)
-    base, dp, ddp = runs["1proc"], runs["dp"], runs["ddp"]
-    for r in (base, dp, ddp, runs["telemetry-on-1"]):
+    compared = [r for r in w["runs"] if r["kind"] in ("baseline", "strategy")]
+    # Two repeats, the order rotated by one: no strategy always runs first.
+    assert [(r["name"], r["repeat"]) for r in compared] == [
+        ("1proc", 1), ("dp", 1), ("ddp", 1), ("dp", 2), ("ddp", 2), ("1proc", 2)]
+    assert len(w["runs"]) == 6 and w["telemetry_overhead"] is None and w["imagefolder"] is None
+    for r in compared:
         assert r["status"] == "ok" and r["exit_code"] == 0, r
-        assert r["samples_per_s"] > 0 and r["trainer_samples_per_s"] > 0 and r["timed_steps"] == 8
+        assert r["samples_per_s"] > 0 and r["trainer_samples_per_s"] > 0 and r["timed_steps"] == 6
         assert abs(r["step_s"] * r["samples_per_s"] - r["batch_size"]) < 1e-6
         assert r["cards"] == [] and r["imbalance"] is None  # CPU: no per-card memory
-        # Each run is the real trainer in its own process, with the bench's keys and the user's overrides.
+        # The same window for every strategy: peaks were reset when the clock started (after warm-up).
+        assert r["peak_window"] == [2, 8] and r["window_note"] is None, r
         cmd = r["command"]
         assert cmd[:4] == ["python", "-m", "job", "train"]
-        for key in ("train.steps=10", "train.timing_warmup=2", "train.log_every=2", "train.checkpoint_every=0"):
+        for key in ("train.steps=8", "train.timing_warmup=2", "train.log_every=2", "train.checkpoint_every=0",
+                    f"train.run_id=tiny-{r['name']}-r{r['repeat']}"):
             assert key in cmd, (key, cmd)
         run_dir = Path(r["run_dir"])
-        assert json.loads((run_dir / "summary.json").read_text())["steps"] == 10
+        assert json.loads((run_dir / "summary.json").read_text())["peak_window"] == [2, 8]
         assert not (run_dir / "checkpoints").exists()  # removed: a bench needs none
         assert Path(r["log"]).read_text()
-    # The baseline: one process, same per-card batch; ddp: 2 processes of 8 samples each.
-    assert (base["kind"], base["world_size"], base["units"], base["batch_size"]) == ("baseline", 1, 1, 8)
-    assert "strategy.nprocs=1" in base["command"] and base["scaling_vs_1"] is None
-    assert (ddp["world_size"], ddp["units"], ddp["batch_size"]) == (2, 2, 16)
-    assert ddp["scaling_vs_1"] == pytest.approx(ddp["samples_per_s"] / (2 * base["samples_per_s"]))
-    # dp on a CPU is one process: no scaling figure, and the table says why.
-    assert dp["world_size"] == 1 and dp["scaling_vs_1"] is None and "1 of 2" in dp["scaling_note"]
-    nosuch = runs["nosuch"]
-    assert nosuch["status"] == "skipped" and "REGISTRY has:" in nosuch["reason"] and nosuch["command"] == []
 
-    o = w["telemetry_overhead"]
-    on = runs["telemetry-on-1"]
-    assert any(a.startswith("telemetry.port=") and a != "telemetry.port=0" for a in on["command"])
-    # dp's own run (telemetry off, the same command otherwise) is the "off" side of the pair.
-    assert (o["off_runs"], o["on_runs"]) == (["dp"], ["telemetry-on-1"])
-    assert [a for a in on["command"] if not a.startswith(("telemetry.", "train.run_id="))] == \
-        [a for a in dp["command"] if not a.startswith("train.run_id=")]
-    assert o["off_step_s"] == [dp["step_s"]] and o["on_step_s"] == [on["step_s"]]
-    assert on["scrapes_ok"] >= 1, on  # the exporter really served /metrics while it trained
-    assert o["scrapes_ok"] == on["scrapes_ok"] and o["note"] is None
-    assert o["overhead"] == pytest.approx(o["on_median_step_s"] / o["off_median_step_s"] - 1)
+    by = {r["name"]: r for r in w["summary"]}
+    assert list(by) == ["1proc", "dp", "ddp"]
+    for name, row in by.items():
+        values = [r["units_per_s"] for r in compared if r["name"] == name]
+        assert row["runs"] == row["ok"] == 2 and row["status"] == "ok" and row["same_window"]
+        assert row["units_per_s"] == {"median": pytest.approx(sum(values) / 2), "min": min(values),
+                                      "max": max(values), "n": 2}
+    base, dp, ddp = by["1proc"], by["dp"], by["ddp"]
+    assert (base["world_size"], base["units"]) == (1, 1) and (ddp["world_size"], ddp["units"]) == (2, 2)
+    assert ddp["scaling_vs_1"] == pytest.approx(ddp["units_per_s"]["median"] / (2 * base["units_per_s"]["median"]))
+    assert dp["scaling_vs_1"] is None and "1 of 2" in dp["scaling_note"]  # dp on a CPU is one process
+    # Per run too, against the same repeat's baseline.
+    first = {(r["name"], r["repeat"]): r for r in compared}
+    assert first[("ddp", 2)]["scaling_vs_1"] == pytest.approx(
+        first[("ddp", 2)]["samples_per_s"] / (2 * first[("1proc", 2)]["samples_per_s"]))
+    (c,) = w["comparisons"]
+    assert (c["a"], c["b"], c["metric"]) == ("dp", "ddp", "units_per_s")
+    assert c["verdict"] == ("overlapping" if bench.overlapping(dp["units_per_s"], ddp["units_per_s"])
+                            else "ranges do not overlap")
+    assert f"  dp / ddp: img/s {c['ratio']:.2f}x: {c['verdict']}" in table
 
     assert doc["chart"] == str(out / "bench.png")
     assert_png(out / "bench.png")
@@ -137,7 +153,8 @@ def test_a_failing_run_is_reported_and_the_others_still_run(tmp_path):
     # would write no summary), each starts as a plain command.
     out = tmp_path / "f"
     group = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
-    p = run_bench(out, "bench.warmup=1", "bench.steps=2", "bench.cpu_procs=3", "strategies=[ddp,dp]", env=group)
+    p = run_bench(out, "bench.warmup=1", "bench.steps=2", "bench.cpu_procs=3", "strategies=[ddp,dp]", "bench.repeats=1",
+                  env=group)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT are set but ignored" in p.stderr
     doc = json.loads((out / "bench.json").read_text())
@@ -154,11 +171,12 @@ def test_a_failing_run_is_reported_and_the_others_still_run(tmp_path):
 
 def test_sigterm_stops_the_current_run_and_writes_what_was_measured(tmp_path):
     out = tmp_path / "s"
-    cmd = job_cmd("bench", *SMALL, f"bench.out={out}", "bench.warmup=2", "bench.steps=100000", "strategies=[dp]")
+    cmd = job_cmd("bench", *SMALL, f"bench.out={out}", "bench.warmup=2", "bench.steps=100000", "strategies=[dp]",
+                  "bench.repeats=2")
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     try:
-        log = out / "logs" / "tiny-1proc.log"
+        log = out / "logs" / "tiny-1proc-r1.log"
         deadline = time.monotonic() + 120
         while not (log.exists() and "step 2/" in log.read_text()):  # the trainer is in its loop
             assert p.poll() is None and time.monotonic() < deadline, p.communicate()
@@ -172,9 +190,10 @@ def test_sigterm_stops_the_current_run_and_writes_what_was_measured(tmp_path):
     doc = json.loads((out / "bench.json").read_text())
     validate(doc)
     runs = runs_by_name(doc)
-    # The run got SIGTERM from the bench, checkpointed and exited 75; dp never started.
+    # The run got SIGTERM from the bench, checkpointed and exited 75; dp never started, nor repeat 2.
     assert runs["1proc"]["status"] == "interrupted" and runs["1proc"]["exit_code"] == 75
     assert runs["dp"]["status"] == "skipped" and "interrupted before" in runs["dp"]["reason"]
+    assert len(doc["workloads"][0]["runs"]) == 2
     assert "== bench tiny" in stdout
 
 
@@ -185,6 +204,15 @@ def test_sigterm_stops_the_current_run_and_writes_what_was_measured(tmp_path):
     (["bench.workloads=[tiny,gpt5]"], "unknown workload `gpt5` in bench.workloads"),
     (["bench.scrape_interval_s=0"], "bench.scrape_interval_s=0.0 must be positive"),
     (["bench.stepz=3"], "did you mean `bench.steps`?"),
+    (["strategies=[dp,nosuch]"], "unknown strategy `nosuch` in bench.strategies; choose from: accum, balanced, ddp, dp"),
+    (["bench.baseline=nosuch"], "unknown strategy `nosuch` in bench.baseline"),
+    (["bench.repeats=0"], "bench.repeats=0 must be at least 1"),
+    (["bench.mode=fastest"], "`bench.mode=fastest` is not valid; choose one of: compare, maxbatch, profile"),
+    (["bench.mode=profile", "strategies=[dp,ddp]"], "bench.mode=profile profiles one process; ddp runs one"),
+    (["bench.mode=maxbatch", "bench.maxbatch_steps=1"], "bench.maxbatch_steps=1 must be at least 2"),
+    (["bench.maxbatch_precision=1.5"], "bench.maxbatch_precision=1.5 must be in [0, 1)"),
+    (["train.device=cpu", "bench.tenant_gb=2"], "bench.tenant_gb=2 holds memory on a CUDA card, and none is visible"),
+    (["workload=lm", "bench.imagefolder=true"], "bench.imagefolder=true needs an image workload"),
 ])
 def test_bad_bench_input_is_one_line_exit_2(capsys, tmp_path, args, message):
     from job.__main__ import main
@@ -221,47 +249,65 @@ def test_error_line(log, line):
     assert bench._error_line(log) == line
 
 
-def _gpu_doc() -> dict:
-    """A 2-GPU result document shaped exactly like a real run's (no GPU here to make one)."""
+def _card(rank, i, peak, reserved, used):
     gb = 1024**3
+    return {"rank": rank, "device": f"cuda:{i}", "name": "NVIDIA H200", "uuid": f"GPU-{i:08d}-aaaa",
+            "pci_bus_id": f"00000000:{0x18 + i:02X}:00.0", "peak_allocated_bytes": int(peak * gb),
+            "peak_reserved_bytes": int(reserved * gb), "nvml_used_bytes": int(used * gb),
+            "nvml_total_bytes": 150 * gb}
 
-    def card(rank, i, peak, reserved, used):
-        return {"rank": rank, "device": f"cuda:{i}", "name": "NVIDIA H200", "uuid": f"GPU-{i:08d}-aaaa",
-                "pci_bus_id": f"00000000:{0x18 + i:02X}:00.0", "peak_allocated_bytes": int(peak * gb),
-                "peak_reserved_bytes": int(reserved * gb), "nvml_used_bytes": int(used * gb),
-                "nvml_total_bytes": 150 * gb}
 
-    def run(name, kind, strategy, cards, world, sps, scaling=None, status="ok", reason=None):
-        r = {"name": name, "kind": kind, "strategy": strategy, "status": status, "reason": reason,
-             "exit_code": 0 if status == "ok" else 1, "command": ["python", "-m", "job", "train"], "env": {},
-             "run_dir": "/x", "log": "/x.log", "wall_s": 30.0, "batch_size": 16, "world_size": world,
-             "units": len(cards), "timed_steps": 50, "samples_per_s": sps, "units_per_s": sps * 1024,
-             "step_s": 16 / sps, "trainer_samples_per_s": sps, "imbalance": None, "scaling_vs_1": scaling,
-             "scaling_note": None, "cards": cards, "scrapes_ok": None, "scrapes_failed": None}
-        if len(cards) > 1:
-            peaks = [c["peak_allocated_bytes"] for c in cards]
-            r["imbalance"] = max(peaks) / min(peaks)
-        return r
+def _run(name, kind, strategy, cards, world, sps, *, repeat=1, status="ok", reason=None, window=(10, 60)):
+    """A run row shaped exactly like a real one."""
+    r = {"name": name, "kind": kind, "strategy": strategy, "repeat": repeat, "data": "synthetic", "status": status,
+         "reason": reason, "exit_code": 0 if status == "ok" else 1, "command": ["python", "-m", "job", "train"],
+         "env": {}, "run_dir": "/x", "log": "/x.log", "wall_s": 30.0, "batch_size": 16, "world_size": world,
+         "units": len(cards), "timed_steps": 50, "samples_per_s": sps, "units_per_s": sps * 1024 if sps else None,
+         "step_s": 16 / sps if sps else None, "trainer_samples_per_s": sps, "imbalance": None, "scaling_vs_1": None,
+         "scaling_note": None, "peak_window": list(window) if status == "ok" else None, "window_note": None,
+         "cards": cards, "scrapes_ok": None, "scrapes_failed": None}
+    if len(cards) > 1:
+        peaks = [c["peak_allocated_bytes"] for c in cards]
+        r["imbalance"] = max(peaks) / min(peaks)
+    return r
 
-    runs = [run("1gpu", "baseline", "ddp", [card(0, 0, 8.6, 9.0, 10.1)], 1, 330.0),
-            run("dp", "strategy", "dp", [card(0, 0, 14.1, 15.0, 16.2), card(0, 1, 3.0, 3.5, 4.1)], 1, 96.0, 0.145),
-            run("ddp", "strategy", "ddp", [card(0, 0, 8.3, 9.0, 10.0), card(1, 1, 8.3, 9.0, 10.0)], 2, 545.0, 0.826),
-            run("balanced", "strategy", "balanced", [], 1, 1.0, status="failed",
-                reason="torch.OutOfMemoryError: CUDA out of memory")]
-    runs[-1].update(samples_per_s=None, units_per_s=None, step_s=None, trainer_samples_per_s=None)
-    env = {"date": "2026-11-30T00:00:00+00:00", "hostname": "h", "command": "python -m job bench", "python": "3.11",
-           "platform": "Linux", "cpu": "x", "cpu_count": 32, "torch": "2.11.0", "torch_cuda": "12.8", "cudnn": 91000,
-           "driver": "570.1", "cuda_driver": "12.8", "gpu_model": "NVIDIA H200",
-           "gpus": [{"name": "NVIDIA H200", "uuid": "GPU-1", "pci_bus_id": "00000000:18:00.0",
-                     "memory_total_bytes": 150 * gb}], "cuda_visible_devices": None, "commit": "0" * 40,
-           "commit_dirty": False}
-    return {"schema": bench.SCHEMA_ID, "device": "cuda", "cards": 2,
-            "settings": {"steps": 50, "warmup": 10, "strategies": ["dp", "ddp", "balanced"], "workloads": ["lm"],
-                         "baseline": "ddp", "cpu_procs": 2, "overrides": {}, "out": "/x"},
-            "environment": env, "workloads": [{"workload": "lm", "unit": "tok", "units_per_sample": 1024,
-                                               "global_batch": 16, "cards": 2, "runs": runs,
-                                               "telemetry_overhead": None}],
-            "chart": None, "failed": 1}
+
+def _env() -> dict:
+    return {"date": "2026-11-30T00:00:00+00:00", "hostname": "h", "command": "python -m job bench", "python": "3.11",
+            "platform": "Linux", "cpu": "x", "cpu_count": 32, "torch": "2.14.1", "torch_cuda": "12.8", "cudnn": 91000,
+            "nccl": "2.27.3", "torchvision": "0.29.1", "driver": "570.1", "cuda_driver": "12.8",
+            "gpu_model": "NVIDIA H200", "gpus": [{"name": "NVIDIA H200", "uuid": "GPU-1", "pci_bus_id": "00000000:18:00.0",
+                                                   "memory_total_bytes": 150 * 1024**3}],
+            "cuda_visible_devices": None, "commit": "0" * 40, "commit_dirty": False}
+
+
+def _settings(**kw) -> dict:
+    return {"steps": 50, "warmup": 10, "repeats": 2, "strategies": ["dp", "ddp", "balanced"], "workloads": ["lm"],
+            "baseline": "ddp", "cpu_procs": 2, "overrides": {}, "out": "/x", "imagefolder": False,
+            "maxbatch": {"start": 16, "steps": 3, "trials": 12, "minutes": 30.0, "precision": 0.05}, **kw}
+
+
+def _gpu_doc() -> dict:
+    """A 2-GPU result document of 2 repeats, shaped exactly like a real run's (no GPU here to make one)."""
+    runs = [_run("1gpu", "baseline", "ddp", [_card(0, 0, 8.6, 9.0, 10.1)], 1, 330.0),
+            _run("dp", "strategy", "dp", [_card(0, 0, 14.1, 15.0, 16.2), _card(0, 1, 3.0, 3.5, 4.1)], 1, 96.0),
+            _run("ddp", "strategy", "ddp", [_card(0, 0, 8.3, 9.0, 10.0), _card(1, 1, 8.3, 9.0, 10.0)], 2, 545.0),
+            _run("balanced", "strategy", "balanced", [], 1, None, status="failed",
+                 reason="torch.OutOfMemoryError: CUDA out of memory"),
+            _run("dp", "strategy", "dp", [_card(0, 0, 14.2, 15.0, 16.2), _card(0, 1, 3.1, 3.5, 4.1)], 1, 98.0, repeat=2),
+            _run("ddp", "strategy", "ddp", [_card(0, 0, 8.3, 9.0, 10.0), _card(1, 1, 8.3, 9.0, 10.0)], 2, 555.0,
+                 repeat=2),
+            _run("balanced", "strategy", "balanced", [], 1, None, repeat=2, status="failed",
+                 reason="torch.OutOfMemoryError: CUDA out of memory"),
+            _run("1gpu", "baseline", "ddp", [_card(0, 0, 8.6, 9.0, 10.1)], 1, 340.0, repeat=2)]
+    summary = bench.summarize(runs, ["1gpu", "dp", "ddp", "balanced"], window=[10, 60])
+    bench.summary_scaling(summary, 2)
+    w = {"workload": "lm", "unit": "tok", "units_per_sample": 1024, "global_batch": 16, "cards": 2, "runs": runs,
+         "summary": summary, "comparisons": bench.comparisons(summary), "telemetry_overhead": None,
+         "imagefolder": None, "maxbatch": None, "profiles": None}
+    return {"schema": bench.SCHEMA_ID, "mode": "compare", "device": "cuda", "cards": 2, "settings": _settings(),
+            "tenant": {"gb": 80.0, "device": "cuda:0", "pid": 1234}, "environment": _env(), "workloads": [w],
+            "chart": None, "failed": 2}
 
 
 def test_gpu_shaped_results_table_and_chart(tmp_path):
@@ -269,16 +315,53 @@ def test_gpu_shaped_results_table_and_chart(tmp_path):
     validate(doc)
     text = bench.table(doc, doc["workloads"][0])
     lines = text.splitlines()
-    assert lines[0] == "== bench lm: global batch 16, 2 GPU(s), 10 warm-up + 50 timed steps"
+    assert lines[0] == ("== bench lm: global batch 16, 2 GPU(s), 10 warm-up + 50 timed steps, 2 repeat(s) "
+                        "(order rotated each repeat)")
+    assert lines[1].startswith("per-card peaks over the timed steps 11-60")
+    assert lines[2] == "torch 2.14.1, CUDA 12.8, cuDNN 91000, NCCL 2.27.3, driver 570.1; commit 000000000000"
+    assert lines[3] == "tenant: another process (pid 1234) held 80 GB on cuda:0 during every run"
     dp = next(x for x in lines if x.startswith("dp "))
-    # per-card peak allocated / reserved / NVML used in MB, the busiest/least ratio, tok/s, scaling
-    for cell in ("14,438 / 3,072", "15,360 / 3,584", "16,589 / 4,198", "4.70x", "98,304", "14.5%", "1/2"):
+    # per card: median (min-max) of the 2 repeats in MB; equal values once; busiest/least; tok/s; scaling
+    for cell in ("14,490 (14,438-14,541) / 3,123 (3,072-3,174)", "15,360 / 3,584", "16,589 / 4,198",
+                 "4.64x (4.58-4.70)", "99,328 (98,304-100,352)", "14.5%", "1/2"):
         assert cell in dp, (cell, dp)
-    assert "2/2" in next(x for x in lines if x.startswith("ddp ")) and "82.6%" in text
+    ddp = next(x for x in lines if x.startswith("ddp "))
+    assert "2/2" in ddp and "1.00x" in ddp and "82.1%" in ddp  # median 550 / (2 x 335) samples/s
     assert "baseline" in next(x for x in lines if x.startswith("1gpu "))
-    assert "failed: torch.OutOfMemoryError: CUDA out of memory" in text
+    assert "failed: torch.OutOfMemoryError: CUDA out of memory" in next(x for x in lines if x.startswith("balanced"))
+    # dp's and ddp's ranges do not overlap: claims; balanced never ran.
+    assert "  dp / ddp: tok/s 0.18x: ranges do not overlap" in lines
+    assert "  dp / ddp: busiest card's peak allocated 1.70x: ranges do not overlap" in lines
+    assert not any("balanced /" in x for x in lines)
     bench.write_chart(doc, tmp_path / "c.png")
     assert_png(tmp_path / "c.png")
+
+
+def test_same_window_rule_flags_a_run_whose_peaks_cover_other_steps():
+    doc = _gpu_doc()
+    w = doc["workloads"][0]
+    w["runs"][2]["peak_window"] = [12, 60]  # e.g. a strategy that reset its counters itself, after timing began
+    w["summary"] = bench.summarize(w["runs"], ["1gpu", "dp", "ddp", "balanced"], window=[10, 60])
+    validate(doc)
+    by = {r["name"]: r for r in w["summary"]}
+    assert not by["ddp"]["same_window"] and by["dp"]["same_window"]
+    ddp = next(x for x in bench.table(doc, w).splitlines() if x.startswith("ddp "))
+    assert ddp.endswith("ok (peaks over steps [12, 60]: not the timed steps)")
+
+
+def test_spread_and_the_claim_rule():
+    assert bench.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert bench.spread([None]) is None
+    fast, slow = bench.spread([10, 11, 12]), bench.spread([5, 6, 7])
+    c = bench.compare("a", "b", "units_per_s", fast, slow)
+    assert (c["ratio"], c["claim"], c["verdict"]) == (11 / 6, True, "ranges do not overlap")
+    touching = bench.compare("a", "b", "units_per_s", bench.spread([7, 9, 12]), slow)  # 7 is in both ranges
+    assert (touching["claim"], touching["verdict"]) == (False, "overlapping")
+    one = bench.compare("a", "b", "units_per_s", bench.spread([100]), slow)
+    assert (one["claim"], one["verdict"]) == (False, "one run each: no claim")
+    assert bench.rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert bench.rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
+    assert bench.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
 
 
 def test_schema_rejects_a_missing_or_mistyped_key():
@@ -290,6 +373,240 @@ def test_schema_rejects_a_missing_or_mistyped_key():
     doc["workloads"][0]["runs"][1]["samples_per_s"] = "96"
     with pytest.raises(jsonschema.ValidationError):
         validate(doc)
+    doc = _gpu_doc()
+    del doc["workloads"][0]["summary"][1]["units_per_s"]["max"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate(doc)
+
+
+# -- maxbatch -----------------------------------------------------------------------------------
+
+
+def fake_trial(limit: int, calls: list, *, error_at: int | None = None, hint: bool = False):
+    def trial(batch: int):
+        calls.append(batch)
+        if error_at is not None and batch >= error_at:
+            return "error", "RuntimeError: NCCL error"
+        if batch <= limit:
+            return "fits", None
+        reason = f"global batch {batch} does not fit: the largest that fits is {limit} (...)" if hint else "oom"
+        return "too_big", reason
+    return trial
+
+
+@pytest.mark.parametrize("limit, start, g, minimum", [
+    (100, 16, 1, 2), (100, 16, 4, 4), (7, 16, 2, 2), (1000, 1, 8, 8), (37, 37, 1, 1), (2, 16, 2, 2), (5, 3, 3, 6)])
+def test_search_finds_the_largest_batch_that_fits(limit, start, g, minimum):
+    calls: list[int] = []
+    res = bench.search_max_batch(fake_trial(limit, calls), start=start, granularity=g, minimum=minimum,
+                                 max_trials=50, deadline_s=1e9)
+    valid = [b for b in range(minimum, 4 * max(limit, start) + 2 * g) if b % g == 0]
+    want = max((b for b in valid if b <= limit), default=None)
+    assert res["largest"] == want, (res, calls)
+    assert res["smallest_too_big"] == min(b for b in valid if b > limit)
+    assert res["exact"] and res["stopped"] is None and not res["error"]
+    assert all(b % g == 0 and b >= minimum for b in calls)  # every trial is a batch the strategy accepts
+    assert len(calls) == len(set(calls)) and len(calls) <= 2 * math.log2(4 * max(limit, start)) + 2
+    assert [t["batch"] for t in res["trials"]] == calls
+
+
+def test_search_bounds_errors_and_hints():
+    calls: list[int] = []
+    # Stops at max_trials: the answer so far is a lower bound, and says why.
+    res = bench.search_max_batch(fake_trial(10_000, calls), start=1, granularity=1, minimum=1, max_trials=4,
+                                 deadline_s=1e9)
+    assert calls == [1, 2, 4, 8] and res["largest"] == 8 and res["smallest_too_big"] is None
+    assert not res["exact"] and "4 trials (bench.maxbatch_trials)" in res["stopped"]
+    # Any other failure stops the search with its error line.
+    calls = []
+    res = bench.search_max_batch(fake_trial(100, calls, error_at=64), start=16, granularity=1, minimum=1,
+                                 max_trials=50, deadline_s=1e9)
+    assert calls == [16, 32, 64] and res["largest"] == 32 and res["error"]
+    assert res["stopped"] == "batch 64: RuntimeError: NCCL error"
+    # The time bound (a fake clock: 10 s per trial).
+    ticks = iter(range(0, 10_000, 10))
+    res = bench.search_max_batch(fake_trial(1000, []), start=1, granularity=1, minimum=1, max_trials=50,
+                                 deadline_s=25, clock=lambda: next(ticks))
+    assert len(res["trials"]) == 2 and "min (bench.maxbatch_minutes)" in res["stopped"]
+    # Precision: bisection stops once the gap is within 25 % of what fits.
+    calls = []
+    res = bench.search_max_batch(fake_trial(100, calls), start=16, granularity=1, minimum=1, max_trials=50,
+                                 deadline_s=1e9, precision=0.25)
+    assert res["largest"] <= 100 < res["smallest_too_big"] <= 1.25 * res["largest"] and len(calls) < 8
+    # The memory plan's refusal names the largest that fits: that is the next trial.
+    calls = []
+    res = bench.search_max_batch(fake_trial(100, calls, hint=True), start=16, granularity=4, minimum=4,
+                                 max_trials=50, deadline_s=1e9)
+    assert calls[:4] == [16, 32, 64, 128] and calls[4] == 100 and res["largest"] == 100 and res["exact"]
+    # Nothing fits.
+    res = bench.search_max_batch(fake_trial(1, []), start=8, granularity=2, minimum=2, max_trials=50, deadline_s=1e9)
+    assert res["largest"] is None and res["smallest_too_big"] == 2 and res["exact"]
+
+
+def test_batch_rule_and_trial_classification():
+    assert bench.batch_rule(multi_process=True, ranks=2, cards=2, accum=4, split=None) == (8, 8)
+    assert bench.batch_rule(multi_process=True, ranks=2, cards=2, accum=4, split="even") == (8, 8)
+    assert bench.batch_rule(multi_process=True, ranks=2, cards=2, accum=1, split="auto") == (1, 2)
+    assert bench.batch_rule(multi_process=False, ranks=1, cards=2, accum=2, split="auto") == (2, 4)
+    assert bench.batch_rule(multi_process=False, ranks=1, cards=0, accum=1, split=None) == (1, 1)
+    # The trainer's and the memory plan's real wording.
+    oom = "CUDA out of memory. Tried to allocate 2.00 GiB; lower train.batch_size, or try train.amp=bf16"
+    plan = ("global batch 512 does not fit: the largest that fits is 320 (320 per micro-step x 1 accumulation "
+            "steps); cuda:0 60.1 GB free of 150.0 GB, fits 96")
+    cpu = "RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory"
+    assert bench.classify_trial(0, None) == "fits"
+    assert bench.classify_trial(2, oom) == bench.classify_trial(1, oom) == "too_big"
+    assert bench.classify_trial(2, plan) == bench.classify_trial(1, cpu) == "too_big"
+    assert bench.classify_trial(1, plan) == "error"  # "does not fit" counts only as the plan's refusal (exit 2)
+    assert bench.classify_trial(2, "ddp: micro-batch 15 is not a multiple of 2 ranks") == "error"
+    assert bench.classify_trial(75, oom) == "error" and bench.classify_trial(None, oom) == "error"
+
+
+def _vm_peak_with_torch() -> int:
+    """VmPeak of a fresh Python that imported torch (what every trial process starts from)."""
+    code = ("import torch\nfor l in open('/proc/self/status'):\n"
+            "    print(l.split()[1]) if l.startswith('VmPeak') else None")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    return int(out.stdout.split()[0]) * 1024
+
+
+def test_maxbatch_end_to_end_on_a_real_out_of_memory(tmp_path):
+    """Real trial processes under an address-space limit: the large batch really runs out of memory (the
+    CPU allocator's error), the search stops between a batch that trains and one that does not."""
+    limit = _vm_peak_with_torch() + int(0.6 * 1024**3)
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    out = tmp_path / "m"
+    cmd = job_cmd("bench", "bench.mode=maxbatch", "workload=tiny", "workload.width=8", "workload.image_size=64",
+                  "train.device=cpu", "train.lr=0.01", "strategies=[dp]", f"bench.out={out}",
+                  "bench.maxbatch_start=256", "bench.maxbatch_precision=0.5", "bench.maxbatch_trials=5")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, preexec_fn=cap)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((out / "bench.json").read_text())
+    validate(doc)
+    assert doc["mode"] == "maxbatch" and doc["failed"] == 0
+    (w,) = doc["workloads"]
+    (r,) = w["maxbatch"]
+    outcomes = {t["batch"]: t["outcome"] for t in r["trials"]}
+    assert r["strategy"] == "dp" and (r["granularity"], r["minimum"]) == (1, 1)
+    assert r["largest"] and outcomes[r["largest"]] == "fits", r
+    assert r["smallest_too_big"] and outcomes[r["smallest_too_big"]] == "too_big", r
+    assert r["largest"] < r["smallest_too_big"] <= 1.5 * r["largest"] or r["stopped"], r
+    too_big = next(t for t in r["trials"] if t["outcome"] == "too_big")
+    assert "can't allocate memory" in too_big["reason"]
+    assert r["run"] == f"dp@{r['largest']}" and r["units_per_s"] > 0
+    # Every trial got the user's overrides and its own batch, in a fresh trainer process.
+    trials = {t["name"]: t for t in w["runs"]}
+    assert set(trials) == {f"dp@{b}" for b in outcomes}
+    for t in trials.values():
+        assert t["kind"] == "maxbatch_trial" and "train.steps=3" in t["command"]
+        cfg = (Path(t["run_dir"]) / "config.yaml").read_text()
+        assert "lr: 0.01" in cfg and "width: 8" in cfg and "image_size: 64" in cfg
+        assert f"batch_size: {t['name'].split('@')[1]}" in cfg
+    table = p.stdout[p.stdout.index("== bench maxbatch tiny"):]
+    row = next(x for x in table.splitlines() if x.startswith("dp "))
+    assert row.split()[1:3] == [str(r["largest"]), str(r["smallest_too_big"])]
+    assert "  dp trials: 256 " in table
+    assert_png(out / "bench.png")
+
+
+def test_tenant_holds_memory_until_stopped():
+    t = bench.Tenant(0.2, "cpu").start()  # on a CPU here; cuda:0 on the device
+    try:
+        rss = next(int(x.split()[1]) for x in Path(f"/proc/{t.pid}/status").read_text().splitlines()
+                   if x.startswith("VmRSS")) * 1024
+        assert rss > 0.2e9 and t.proc.poll() is None
+    finally:
+        t.stop()
+    assert t.proc.poll() is not None
+    with pytest.raises(bench.UsageError, match=r"could not hold 1e\+06 GB on cpu .*lower bench.tenant_gb"):
+        bench.Tenant(1e6, "cpu").start()
+
+
+# -- imagefolder --------------------------------------------------------------------------------
+
+
+def test_image_folder_is_generated_once_and_reused(tmp_path):
+    from PIL import Image
+
+    info = bench.image_folder(tmp_path / "img", 12, seed=3)
+    files = sorted((tmp_path / "img").rglob("*.jpg"))
+    assert len(files) == 12 and len({f.parent.name for f in files}) == 10 and info["generated_s"] is not None
+    for f in files:
+        with Image.open(f) as im:
+            assert im.format == "JPEG" and all(400 <= s <= 500 for s in im.size)
+    assert info["bytes"] == sum(f.stat().st_size for f in files)
+    before = [f.stat().st_mtime_ns for f in files]
+    again = bench.image_folder(tmp_path / "img", 12, seed=3)
+    assert again["generated_s"] is None and [f.stat().st_mtime_ns for f in files] == before
+    assert len(list((tmp_path / "img").rglob("*.jpg"))) == 12
+    assert bench.image_folder(tmp_path / "img", 20, seed=3)["generated_s"] is not None  # other settings: remade
+    assert len(list((tmp_path / "img").rglob("*.jpg"))) == 20
+
+
+def test_imagefolder_rows_end_to_end(tmp_path):
+    out, images = tmp_path / "i", tmp_path / "images"
+    # With the telemetry on/off pair (the real exporter, scraped over loopback) in the same bench.
+    p = run_bench(out, "bench.warmup=1", "bench.steps=3", "bench.repeats=1", "bench.baseline=none",
+                  "strategies=[dp]", "train.batch_size=8", "bench.imagefolder=true", "bench.imagefolder_images=20",
+                  f"bench.imagefolder_dir={images}", "bench.telemetry_overhead=true", "bench.telemetry_strategy=dp",
+                  "bench.scrape_interval_s=0.05")
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((out / "bench.json").read_text())
+    validate(doc)
+    w = doc["workloads"][0]
+    assert w["imagefolder"]["images"] == 20 and len(list(images.rglob("*.jpg"))) == 20
+    runs = runs_by_name(doc)
+    syn, img = runs["dp"], runs["dp+imagefolder"]
+    assert (syn["data"], img["data"], img["kind"]) == ("synthetic", "imagefolder", "imagefolder")
+    assert img["status"] == "ok" and img["samples_per_s"] > 0 and img["world_size"] == 1
+    for arg in ("data.kind=imagefolder", f"data.path={images}", "data.prefetch=true", "data.workers=1"):
+        assert arg in img["command"], img["command"]
+    assert "kind: imagefolder" in (Path(img["run_dir"]) / "config.yaml").read_text()
+    (c,) = [c for c in w["comparisons"] if c["a"] == "dp+imagefolder"]
+    assert c["b"] == "dp" and c["verdict"] == "one run each: no claim"
+    table = p.stdout[p.stdout.index("== bench tiny"):]
+    assert "dp+imagefolder  dp        imagefolder" in table
+    assert "imagefolder: 20 generated JPEG files" in table
+    assert "telemetry overhead (dp, 1 pair(s), scraped every 0.05 s" in table
+    o = w["telemetry_overhead"]
+    on = next(r for r in w["runs"] if r["name"] == "telemetry-on-1")
+    dp1 = runs["dp"]
+    assert any(a.startswith("telemetry.port=") and a != "telemetry.port=0" for a in on["command"])
+    # dp's first run (telemetry off, the same command otherwise) is the "off" side of the pair.
+    assert (o["off_runs"], o["on_runs"]) == (["dp (repeat 1)"], ["telemetry-on-1"])
+    assert [a for a in on["command"] if not a.startswith(("telemetry.", "train.run_id="))] == \
+        [a for a in dp1["command"] if not a.startswith("train.run_id=")]
+    assert o["off_step_s"] == [dp1["step_s"]] and o["on_step_s"] == [on["step_s"]]
+    assert on["scrapes_ok"] >= 1, on  # the exporter really served /metrics while it trained
+    assert o["scrapes_ok"] == on["scrapes_ok"] and o["note"] is None
+
+
+# -- profile ------------------------------------------------------------------------------------
+
+
+def test_profile_mode_on_cpu(tmp_path):
+    out = tmp_path / "p"
+    p = run_bench(out, "bench.mode=profile", "strategies=[dp]", "bench.warmup=2", "bench.profile_steps=3")
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((out / "bench.json").read_text())
+    validate(doc)
+    (prof,) = doc["workloads"][0]["profiles"]
+    assert (prof["strategy"], prof["device"], prof["steps"], prof["warmup"]) == ("dp", "cpu", 3, 2)
+    phases = {ph["name"]: ph for ph in prof["phases"]}
+    for name in ("data", "forward+loss", "forward", "loss", "backward", "optimizer"):
+        assert phases[name]["calls"] == 3 and phases[name]["ms_per_step"] > 0, name
+    top = [ph for ph in prof["phases"] if ph["depth"] == 0]
+    assert sum(ph["ms_per_step"] for ph in top) == pytest.approx(prof["step_ms"])
+    assert prof["sort_by"] == "self_cpu_ms" and any("conv" in o["name"] for o in prof["top_ops"])
+    text = (out / "profile-tiny-dp.txt").read_text()
+    assert text.startswith("profile dp, tiny, global batch 16, CPU: 3 steps after 2 warm-up") and "backward" in text
+    assert prof["summary"] in p.stdout
+    with gzip.open(prof["trace"]) as f:
+        assert "traceEvents" in json.load(f)
 
 
 @pytest.mark.gpu
@@ -317,3 +634,51 @@ def test_bench_on_two_gpus(tmp_path):
     assert ddp["imbalance"] < 1.1
     assert doc["workloads"][0]["telemetry_overhead"]["scrapes_ok"] > 0
     assert_png(out / "bench.png")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@requires_gpus(2)
+def test_maxbatch_with_a_tenant_on_two_gpus(tmp_path):
+    """The shared-card case for real: a tenant holds half of card 0; dp and ddp searched on lm."""
+    import torch
+
+    out = tmp_path / "mb"
+    tenant = round(torch.cuda.get_device_properties(0).total_memory * 0.5 / 1e9)
+    args = ["bench.mode=maxbatch", "workload=lm", "workload.layers=2", "train.amp=bf16", "strategies=[dp,ddp]",
+            f"bench.tenant_gb={tenant}", "bench.maxbatch_start=16", "bench.maxbatch_trials=8",
+            "bench.maxbatch_precision=0.25", f"bench.out={out}"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}
+    p = subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=3000, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((out / "bench.json").read_text())
+    validate(doc, required=False)
+    assert doc["tenant"]["gb"] == tenant and f"held {tenant} GB on cuda:0 during every run" in p.stdout
+    for r in doc["workloads"][0]["maxbatch"]:
+        assert r["largest"] and r["smallest_too_big"] and not r["error"], r
+        assert len(r["cards"]) == 2 and all(c["peak_allocated_bytes"] > 0 for c in r["cards"])
+        card0 = min(r["cards"], key=lambda c: c["device"])
+        assert card0["nvml_used_bytes"] > tenant * 1e9  # NVML sees the tenant's memory on card 0
+    # The tenant is gone when the bench is.
+    free = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info(0)[0])"],
+                          capture_output=True, text=True, env=env, check=True, timeout=120).stdout
+    assert int(free) > tenant * 1e9
+    assert_png(out / "bench.png")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@requires_gpus(2)
+def test_profile_dp_on_two_gpus(tmp_path):
+    out = tmp_path / "pg"
+    args = ["bench.mode=profile", "strategies=[dp]", "workload=lm", "workload.layers=2", "train.amp=bf16",
+            "bench.warmup=3", "bench.profile_steps=3", f"bench.out={out}"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}
+    p = subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (prof,) = json.loads((out / "bench.json").read_text())["workloads"][0]["profiles"]
+    phases = {ph["name"]: ph for ph in prof["phases"]}
+    for name in ("scatter", "replicate", "parallel_apply", "gather", "loss", "backward", "optimizer"):
+        assert phases[name]["calls"] == 3 and phases[name]["ms_per_step"] > 0, name
+    assert prof["sort_by"] == "self_cuda_ms" and prof["top_ops"][0]["self_cuda_ms"] > 0
+    assert "replicate" in (out / "profile-lm-dp.txt").read_text()
