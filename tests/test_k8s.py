@@ -66,8 +66,10 @@ def rendered_with_exporter(tmp_path_factory) -> list[dict]:
 
 
 def without_images(doc: dict) -> dict:
-    """The object with every container image blanked (the k8s/image component rewrites them)."""
+    """The object with every container image blanked (the k8s/image component rewrites them) and no
+    namespace (the kustomizations set one; the plain files do not)."""
     doc = json.loads(json.dumps(doc))
+    doc["metadata"].pop("namespace", None)
     for _, template in pod_templates(doc):
         for c in all_containers(template):
             c["image"] = ""
@@ -91,8 +93,15 @@ def test_kustomization_renders_job_and_monitoring(rendered):
     # job.yaml is applied as is, and the kustomization renders exactly the same objects from it
     for doc in load_docs(JOB):
         assert without_images(one(rendered, doc["kind"], doc["metadata"]["name"])) == without_images(doc)
-    # namespace-agnostic: `kubectl apply -n X` / kustomize `namespace:` decide
-    assert all("namespace" not in d["metadata"] for d in rendered)
+    # never silently in `default`: the kustomization puts everything in its own namespace, which it
+    # creates with PodSecurity admission enforcing "restricted"; the plain files stay namespace-free (-n)
+    ns = one(rendered, "Namespace")
+    assert all(d["metadata"].get("namespace") == ns["metadata"]["name"] != "default"
+               for d in rendered if d["kind"] != "Namespace")
+    labels = ns["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert labels["pod-security.kubernetes.io/enforce-version"] == "latest"
+    assert all("namespace" not in d["metadata"] for p in MANIFESTS for d in load_docs(p))
 
 
 @pytest.mark.parametrize("path", [MULTINODE, PYTORCHJOB], ids=["multinode", "pytorchjob"])
@@ -102,7 +111,8 @@ def test_multinode_kustomizations_add_only_monitoring(path, rendered):
     monitoring = [d for d in rendered if d["apiVersion"].startswith("monitoring.coreos.com/")
                   or d["metadata"].get("labels", {}).get("grafana_dashboard")]
     raw = load_docs(path)
-    assert len(out) == len(raw) + len(monitoring)
+    assert len(out) == len(raw) + len(monitoring) + 1  # + the Namespace
+    assert one(out, "Namespace") == one(rendered, "Namespace")
     for doc in raw + monitoring:
         assert without_images(one(out, doc["kind"], doc["metadata"]["name"])) == without_images(doc)
 
