@@ -65,7 +65,7 @@ def registry_digest(ref: str) -> str:
         raise RuntimeError("neither crane nor docker is installed")
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if out.returncode:
-        raise RuntimeError((out.stderr or out.stdout).strip()[:300])
+        raise RuntimeError(((out.stderr or out.stdout).strip().splitlines() or ["no output"])[0][:300])
     return out.stdout.strip()
 
 

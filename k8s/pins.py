@@ -126,7 +126,8 @@ def resolve(ref: str) -> str:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     digest = out.stdout.strip()
     if out.returncode or not re.fullmatch(r"sha256:[0-9a-f]{64}", digest):
-        raise PinError(f"error: `{' '.join(cmd)}` gave no digest ({(out.stderr or out.stdout).strip()[:200]}); "
+        why = ((out.stderr or out.stdout).strip().splitlines() or ["no output"])[0][:200]
+        raise PinError(f"error: `{' '.join(cmd)}` gave no digest ({why}); "
                          "is the image pushed and the registry reachable?")
     return f"{ref}@{digest}"
 
