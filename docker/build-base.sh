@@ -2,8 +2,9 @@
 # Build the stand-in images CI uses where no image registry is reachable (see docs/docker.md):
 #
 #   trainjob-standin/base        Debian 12 (debootstrap from the machine's apt mirror) + Python 3.11
-#                                venv at /opt/venv with a CPU build of torch (+ numpy, pip) that the
-#                                host's pip installs from this machine's local wheels. Passed as
+#                                venv at /opt/venv with the Makefile's TORCH_PIN (torch, torchvision:
+#                                the version the venv and the real base image have; + numpy, pip) that
+#                                the host's pip installs from this machine's package sources. Passed as
 #                                BASE_IMAGE, like the pytorch/pytorch runtime image it stands in for.
 #   trainjob-standin/prometheus  the base + this machine's Debian prometheus binary, laid out like
 #                                prom/prometheus (ENTRYPOINT /bin/prometheus, user nobody, /prometheus).
@@ -11,9 +12,10 @@
 # Usage: docker/build-base.sh            (DOCKER_HOST picks the engine; idempotent: an image whose
 #                                         cache-key label matches is kept)
 # Env:   VENV=.venv  MIRROR=<apt mirror URL>  WORK=<scratch dir>  DOCKER=docker
-#        PROMETHEUS_BIN=$(command -v prometheus)  TORCH_CPU_SPEC='torch==2.13.0+cpu'
-# Why a CPU wheel and not a copy of .venv's torch: .venv holds the CUDA build, which does not
-# import without ~4 GB of nvidia-* libraries; the CPU wheel is 190 MB (docs/docker.md, measured).
+#        PROMETHEUS_BIN=$(command -v prometheus)  TORCH_PIN='torch==X torchvision==Y' (default: the Makefile's)
+# The pin is the one torch of the project (tests/test_docker.py fails when the Makefile, the Dockerfile's
+# base tag and this script disagree). Where only its CUDA build is served (as here), pip brings its
+# nvidia-* libraries too: the stand-in is then about 4.5 GB, but it runs the torch that ships.
 # Prints the two image references on its last two lines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,16 +42,18 @@ if [[ -z ${MIRROR:-} ]]; then
   MIRROR=${MIRROR:-http://deb.debian.org/debian}
 fi
 
-# A CPU-only torch that pip can install from this machine's wheels (the pip config's find-links).
-TORCH_CPU_SPEC=${TORCH_CPU_SPEC:-torch==2.13.0+cpu}
+# The project's one torch: the Makefile's TORCH_PIN, installed by the host's pip from its package sources.
+TORCH_PIN=${TORCH_PIN:-$(sed -n 's/^TORCH_PIN := //p' Makefile)}
+[[ $TORCH_PIN =~ ^torch==([0-9][0-9.]*)[[:space:]]+torchvision==[0-9][0-9.]*$ ]] ||
+  { echo "error: TORCH_PIN '$TORCH_PIN' is not 'torch==X torchvision==Y'; fix the Makefile's TORCH_PIN line" >&2; exit 2; }
+TORCH_VERSION=${BASH_REMATCH[1]}
 PY_MINOR=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 [[ $PY_MINOR == 3.11 ]] || { echo "error: $PY is Python $PY_MINOR; Debian 12's python3 is 3.11 and the wheels must match" >&2; exit 2; }
-TORCH_VERSION=${TORCH_CPU_SPEC#*==}
 
 # Cache key: this script, the mirror, the torch spec, the prometheus binary.
-KEY=$( { cat docker/build-base.sh; echo "$MIRROR $SUITE $TORCH_CPU_SPEC"; sha256sum "$PROMETHEUS_BIN"; } |
+KEY=$( { cat docker/build-base.sh; echo "$MIRROR $SUITE $TORCH_PIN"; sha256sum "$PROMETHEUS_BIN"; } |
        sha256sum | cut -c1-16)
-BASE_IMAGE=$BASE_REPO:py$PY_MINOR-torch${TORCH_VERSION//+/-}-$KEY
+BASE_IMAGE=$BASE_REPO:py$PY_MINOR-torch$TORCH_VERSION-$KEY
 PROM_VERSION=$("$PROMETHEUS_BIN" --version 2>&1 | awk 'NR==1 {print $3}')
 PROM_IMAGE=$PROM_REPO:${PROM_VERSION//+/-}-$KEY
 
@@ -68,13 +72,13 @@ else
   # Slim the rootfs: apt caches and docs are not needed to run Python.
   rm -rf "$ROOT"/var/cache/apt/archives/*.deb "$ROOT"/var/lib/apt/lists/* "$ROOT"/usr/share/doc/* \
     "$ROOT"/usr/share/man/* "$ROOT"/usr/share/locale/*
-  log "venv at /opt/venv + $TORCH_CPU_SPEC numpy pip (host pip, local wheels)"
+  log "venv at /opt/venv + $TORCH_PIN numpy pip (host pip, local package sources)"
   chroot "$ROOT" python3 -m venv --without-pip /opt/venv
   DEST=$ROOT/opt/venv/lib/python$PY_MINOR/site-packages
   "$PY" -m pip install -q --no-warn-conflicts --disable-pip-version-check --only-binary=:all: \
-    --target "$DEST" "$TORCH_CPU_SPEC" numpy pip 2>&1 | grep -v 'is ignored: it is neither' >&2 || true
-  "$PY" -c 'import sys; from pathlib import Path; sys.exit(not list(Path(sys.argv[1]).glob("torch-*.dist-info")))' "$DEST" ||
-    { echo "error: pip could not install $TORCH_CPU_SPEC; set TORCH_CPU_SPEC to a CPU torch wheel pip can find" >&2; exit 1; }
+    --target "$DEST" $TORCH_PIN numpy pip 2>&1 | grep -v 'is ignored: it is neither' >&2 || true
+  "$PY" -c 'import sys; from pathlib import Path; sys.exit(not list(Path(sys.argv[1]).glob(f"torch-{sys.argv[2]}*.dist-info")))' "$DEST" "$TORCH_VERSION" ||
+    { echo "error: pip could not install $TORCH_PIN; it must be in this machine's package sources" >&2; exit 1; }
   rm -rf "$DEST/bin" "$DEST/share"
   # pip's console script, pointing at the venv's interpreter.
   printf '#!/opt/venv/bin/python3\nimport sys\nfrom pip._internal.cli.main import main\nsys.exit(main())\n' \
@@ -88,7 +92,7 @@ else
     --change 'CMD ["python3"]' \
     - "$BASE_IMAGE" >/dev/null
   "$DOCKER" run --rm --network none "$BASE_IMAGE" python -c \
-    'import torch; assert torch.randn(2, 2).sum().isfinite(); print("stand-in torch", torch.__version__)' >&2
+    'import torch, torchvision; assert torch.randn(2, 2).sum().isfinite(); print("stand-in torch", torch.__version__, "torchvision", torchvision.__version__)' >&2
 fi
 
 if have "$PROM_IMAGE"; then

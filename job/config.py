@@ -151,6 +151,9 @@ class TelemetryCfg:
     peer_dir: str = ""
     """Where the other local ranks register their loopback endpoints for local rank 0's merged
     /metrics (empty: $TMPDIR/trainjob-telemetry-<port>; must be shared by the ranks of a node)."""
+    stall_s: int = 1800
+    """/health answers 503 "stalled" when no optimizer step has completed for this many seconds (counted
+    from the metrics server's start, so the first step's compile and memory probing count; 0: never)."""
 
 
 @dataclass
@@ -456,7 +459,8 @@ def validate(cfg) -> None:
     for key, value in {"train.checkpoint_every": t.checkpoint_every, "train.warmup_steps": t.warmup_steps,
                        "strategy.nprocs": cfg.strategy.nprocs, "data.workers": cfg.data.workers,
                        "strategy.check_replicas_every": cfg.strategy.check_replicas_every,
-                       "telemetry.log_every": cfg.telemetry.log_every}.items():
+                       "telemetry.log_every": cfg.telemetry.log_every,
+                       "telemetry.stall_s": cfg.telemetry.stall_s}.items():
         if value < 0:
             raise UsageError(f"`{key}={value}` must not be negative")
     if not (0 <= t.grad_clip < float("inf")):

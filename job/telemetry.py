@@ -296,7 +296,8 @@ def _label_name(key: str) -> str:
 
 
 def _serve(host: str, port: int, metrics, health) -> tuple[Any, threading.Thread]:
-    """A threaded HTTP server for /metrics (metrics() -> bytes) and /health (health() -> dict).
+    """A threaded HTTP server for /metrics (metrics() -> bytes) and /health (health() -> dict; HTTP 200
+    when its "status" is "ok", else 503).
 
     Raises OSError when the address cannot be bound.
     """
@@ -310,8 +311,10 @@ def _serve(host: str, port: int, metrics, health) -> tuple[Any, threading.Thread
             try:
                 if path == "/metrics":
                     body, ctype, code = metrics(), CONTENT_TYPE_LATEST, 200
-                elif path == "/health":
-                    body, ctype, code = (json.dumps(health()) + "\n").encode(), "application/json", 200
+                elif path == "/health":  # 503 unless the status is "ok": what a liveness probe checks
+                    h = health()
+                    code = 200 if h.get("status") == "ok" else 503
+                    body, ctype = (json.dumps(h) + "\n").encode(), "application/json"
                 elif path == "/":
                     body, ctype, code = b"trainjob telemetry: /metrics /health\n", "text/plain", 200
                 else:
@@ -469,6 +472,7 @@ class TrainingTelemetry:
         self._registration: Path | None = None
         self.url: str | None = None
         self.steps = 0
+        self._last_progress = time.monotonic()  # the last completed step, or the start
 
     def _labels(self) -> dict[str, str]:
         return {"rank": str(self.rank), "local_rank": str(self.local_rank), "uuid": self.uuid,
@@ -491,6 +495,7 @@ class TrainingTelemetry:
         # is bound to one card, so the merged view holds each card once without parsing it 8 times.
         uuids = {c.uuid for c in self.cards} if self.local_rank == 0 else {self.uuid} - {""}
         self.registry = CollectorRegistry(auto_describe=False)
+        self._last_progress = time.monotonic()
         if on_cuda:  # a CPU run has no card to report (and no NVML to call "down")
             self.registry.register(NvmlCollector(nvml=self._nvml, uuids=uuids, host=self.host))
         lab = {k: v for k, v in self._labels().items() if k != "uuid"}
@@ -523,7 +528,13 @@ class TrainingTelemetry:
         return self
 
     def _health(self) -> dict:
-        h = {"status": "ok", "run": self.run, "rank": self.rank, "local_rank": self.local_rank, "steps": self.steps}
+        """ok, or "stalled" (HTTP 503) once no step has completed for telemetry.stall_s seconds."""
+        idle = time.monotonic() - self._last_progress
+        stall_s = getattr(self.tcfg, "stall_s", 0)
+        stalled = stall_s > 0 and idle > stall_s
+        h = {"status": "stalled" if stalled else "ok", "run": self.run, "rank": self.rank,
+             "local_rank": self.local_rank, "steps": self.steps, "seconds_since_step": round(idle, 1),
+             "stall_s": stall_s}
         if self._merged is not None:
             h["peers"] = len(self._merged.peers())
         return h
@@ -531,6 +542,7 @@ class TrainingTelemetry:
     def observe_step(self, seconds: float, samples: int, loss: float) -> None:
         """Record one optimizer step: its wall time, the samples this rank trained on, the current loss."""
         self.steps += 1
+        self._last_progress = time.monotonic()
         self.training.observe(seconds, samples, loss)
 
     def close(self) -> None:

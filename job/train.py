@@ -319,7 +319,7 @@ class Trainer:
         warm = t.timing_warmup if t.timing_warmup >= 0 else min(10, max(1, (t.steps - self.step) // 10))
         warm_step = self.step + warm
         if warm == 0:
-            self._reset_peaks()
+            _reset_peaks(self.devices)  # peaks over the timed steps: the same window for every strategy
             self.clock.start(self.step)
         window_start, window_steps = time.perf_counter(), 0
         loss_sum = torch.zeros((), device=self.device)
@@ -352,7 +352,7 @@ class Trainer:
 
             if warm and self.step == warm_step:
                 self._sync()
-                self._reset_peaks()
+                _reset_peaks(self.devices)
                 self.clock.start(self.step)
             if self.step == t.steps:
                 self._sync()
@@ -381,13 +381,6 @@ class Trainer:
         scale = min(1.0, (self.step + 1) / t.warmup_steps) if t.warmup_steps else 1.0
         for group in self.optimizer.param_groups:
             group["lr"] = t.lr * scale
-
-    def _reset_peaks(self) -> None:
-        """Peak memory counts from where the clock starts (the timed steps), the same window for every
-        strategy; summary.json records it as peak_window."""
-        for d in self.devices:
-            if d.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(d)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

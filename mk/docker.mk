@@ -6,7 +6,7 @@ TRAINJOB_HOST ?= $(shell hostname)
 # Compose v2 (`docker compose`) where installed, else Debian's docker-compose 1.29.
 COMPOSE = $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 
-.PHONY: image image-wheels image-standin up down docker-test
+.PHONY: image image-wheels image-lock images-verify image-standin up down docker-test
 
 image: ## Build the image (IMAGE=trainjob:latest BASE_IMAGE=... PIP_NO_INDEX=1: offline, from docker/wheels/)
 	docker build -t $(IMAGE) $(if $(BASE_IMAGE),--build-arg BASE_IMAGE=$(BASE_IMAGE)) \
@@ -15,16 +15,22 @@ image: ## Build the image (IMAGE=trainjob:latest BASE_IMAGE=... PIP_NO_INDEX=1: 
 image-wheels: setup ## Put the image's non-torch dependencies in docker/wheels/ for offline builds
 	PY=$(PY) docker/fetch-wheels.sh
 
+image-lock: setup ## Re-resolve docker/requirements.lock (versions + sha256 of the image's non-torch wheels)
+	$(PY) docker/lock.py
+
+images-verify: ## Compare every pinned digest (Dockerfile, compose) with its registry (needs crane or docker buildx)
+	$(PY) docker/images.py verify
+
 image-standin: setup ## Build CI's stand-in base and prometheus images from this machine's package sources
 	VENV=$(VENV) docker/build-base.sh
 
-up: ## docker compose up: trainer, exporter, Prometheus, Grafana (needs GRAFANA_ADMIN_PASSWORD; STRATEGY, GPUS)
+up: ## docker compose up: trainer, exporter, Prometheus, Grafana (needs GRAFANA_ADMIN_PASSWORD_FILE; STRATEGY, GPUS)
 	TRAINJOB_IMAGE=$(IMAGE) TRAINJOB_HOST=$(TRAINJOB_HOST) $(if $(STRATEGY),STRATEGY=$(STRATEGY)) \
 	  $(COMPOSE) up -d --build
-	@echo "Grafana: http://$${BIND_ADDR:-127.0.0.1}:$${GRAFANA_PORT:-3000} (anonymous read-only; admin with GRAFANA_ADMIN_PASSWORD)"
+	@echo "Grafana: http://$${BIND_ADDR:-127.0.0.1}:$${GRAFANA_PORT:-3000} (anonymous read-only; admin: the password in GRAFANA_ADMIN_PASSWORD_FILE)"
 
 down: ## docker compose down (keeps the runs, Prometheus and Grafana volumes; ARGS=-v deletes them)
-	GRAFANA_ADMIN_PASSWORD=$${GRAFANA_ADMIN_PASSWORD:-unused-by-down} $(COMPOSE) down $(ARGS)
+	GRAFANA_ADMIN_PASSWORD_FILE=$${GRAFANA_ADMIN_PASSWORD_FILE:-/dev/null} $(COMPOSE) down $(ARGS)
 
 docker-test: setup ## The docker and dashboard tests only (first run builds the stand-in base: minutes)
 	$(PY) -m pytest -q tests/test_dashboards.py tests/test_docker.py $(ARGS)

@@ -27,7 +27,14 @@ CONTRACT = {
     "trainjob_torch_memory_peak_allocated_bytes", "trainjob_samples_total", "trainjob_loss", "trainjob_info",
     "trainjob_nvml_up",
     "trainjob_step_seconds_bucket", "trainjob_step_seconds_sum", "trainjob_step_seconds_count",
+} | {
+    # the memory plan's per-card gauges (labels rank, local_rank, uuid, strategy, run), see PLAN
+    "trainjob_plan_samples", "trainjob_plan_headroom_bytes",
 }
+# Served by the memory plan (job/memplan.py) once it is merged: until then no trainer reports them, so
+# the live tests accept an empty panel built only on these (once job/memplan.py exists, the GPU test
+# requires them like any other series).
+PLAN = {"trainjob_plan_samples", "trainjob_plan_headroom_bytes"}
 PROMETHEUS_BUILTIN = {"up", "ALERTS"}
 # Series a CPU training run produces (no card, no allocator): the panels built only on these must
 # return data in the docker end-to-end test; the others must parse and evaluate.

@@ -251,3 +251,123 @@ def dockerfile_entrypoint() -> list[str] | None:
         if m:
             entry = json.loads(m.group(1))
     return entry
+
+
+# ---------------------------------------------------------------- controllers' decisions, offline
+
+
+def selects(selector: dict | None, labels: dict) -> bool:
+    """A metav1.LabelSelector against a label set ({} selects everything; None, nothing)."""
+    if selector is None:
+        return False
+    for k, v in selector.get("matchLabels", {}).items():
+        if labels.get(k) != v:
+            return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        if op == "In" and labels.get(key) not in values:
+            return False
+        if op == "NotIn" and key in labels and labels[key] in values:
+            return False
+        if op == "Exists" and key not in labels:
+            return False
+        if op == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+def ingress_allowed(policies: list[dict], pod: dict, peer: dict, port: int, protocol: str = "TCP") -> bool:
+    """NetworkPolicy semantics (networking.k8s.io/v1) for a connection from `peer` to `pod` on `port`.
+
+    pod/peer: {"namespace", "ns_labels", "labels", "ports": {name: number}}. A pod that no policy with
+    Ingress selects is not isolated; an isolated pod admits what the union of its policies' rules does.
+    """
+    selecting = [p for p in policies
+                 if p["metadata"].get("namespace", pod["namespace"]) == pod["namespace"]
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+                 and selects(p["spec"]["podSelector"], pod["labels"])]
+    if not selecting:
+        return True
+    for p in selecting:
+        ns = p["metadata"].get("namespace", pod["namespace"])
+        for rule in p["spec"].get("ingress", []):
+            peers = rule.get("from")
+            if peers:
+                def matches(f, ns=ns):
+                    if "ipBlock" in f:
+                        return False  # pod-to-pod only here
+                    ns_ok = (selects(f["namespaceSelector"], peer["ns_labels"]) if "namespaceSelector" in f
+                             else peer["namespace"] == ns)
+                    pod_ok = selects(f["podSelector"], peer["labels"]) if "podSelector" in f else True
+                    return ns_ok and pod_ok
+                if not any(matches(f) for f in peers):
+                    continue
+            ports = rule.get("ports")
+            if ports:
+                def port_ok(pp):
+                    if pp.get("protocol", "TCP") != protocol:
+                        return False
+                    if "port" not in pp:
+                        return True
+                    want = pp["port"]
+                    number = pod["ports"].get(want) if isinstance(want, str) else want
+                    return number is not None and number <= port <= pp.get("endPort", number)
+                if not any(port_ok(pp) for pp in ports):
+                    continue
+            return True
+    return False
+
+
+def pod_failure_action(job: dict, exit_codes: dict[str, int], conditions: tuple[str, ...] = ()) -> str:
+    """What the Job controller does with a failed pod: the first matching podFailurePolicy rule's
+    action, else Count. exit_codes: container name -> exit code (init containers included); as in
+    the controller, a container that exited 0 matches no onExitCodes rule."""
+    for rule in job["spec"].get("podFailurePolicy", {}).get("rules", []):
+        if "onExitCodes" in rule:
+            req = rule["onExitCodes"]
+            for name, code in exit_codes.items():
+                if code == 0 or req.get("containerName", name) != name:
+                    continue
+                inside = code in req["values"]
+                if inside == (req["operator"] == "In"):
+                    return rule["action"]
+        else:
+            for cond in rule["onPodConditions"]:
+                if cond["type"] in conditions and cond.get("status", "True") == "True":
+                    return rule["action"]
+    return "Count"
+
+
+def pod_failure_policy_problems(job: dict) -> list[str]:
+    """The API server's validation of spec.podFailurePolicy (pkg/apis/batch/validation)."""
+    spec = job["spec"]
+    pod = spec["template"]["spec"]
+    names = {c["name"] for c in all_containers(spec["template"])}
+    rules = spec.get("podFailurePolicy", {}).get("rules", [])
+    out = []
+    if rules and pod.get("restartPolicy") != "Never":
+        out.append("podFailurePolicy needs restartPolicy Never")
+    if len(rules) > 20:
+        out.append("more than 20 rules")
+    for i, r in enumerate(rules):
+        if ("onExitCodes" in r) == ("onPodConditions" in r):
+            out.append(f"rule {i}: exactly one of onExitCodes, onPodConditions")
+        if r["action"] not in ("FailJob", "FailIndex", "Ignore", "Count"):
+            out.append(f"rule {i}: action {r['action']}")
+        if r["action"] == "FailIndex" and "backoffLimitPerIndex" not in spec:
+            out.append(f"rule {i}: FailIndex needs backoffLimitPerIndex")
+        req = r.get("onExitCodes")
+        if req:
+            values = req["values"]
+            if values != sorted(set(values)) or not 0 < len(values) <= 255:
+                out.append(f"rule {i}: values must be sorted, unique, 1-255 of them")
+            if req["operator"] == "In" and 0 in values:
+                out.append(f"rule {i}: 0 with operator In")
+            if req["operator"] not in ("In", "NotIn"):
+                out.append(f"rule {i}: operator {req['operator']}")
+            if "containerName" in req and req["containerName"] not in names:
+                out.append(f"rule {i}: no container {req['containerName']}")
+        for c in r.get("onPodConditions", []):
+            if c.get("status", "True") not in ("True", "False", "Unknown"):
+                out.append(f"rule {i}: condition status {c.get('status')}")
+    return out

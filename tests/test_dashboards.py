@@ -149,7 +149,11 @@ def test_provisioning_matches_compose_mounts():
     # Anonymous viewers read only; the admin password has no default.
     env = grafana["environment"]
     assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
-    assert env["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
+    # ... and comes from a file (a compose secret), never from a plain environment variable
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in env
+    assert env["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"
+    assert grafana["secrets"] == ["grafana_admin_password"]
+    assert compose["secrets"]["grafana_admin_password"]["file"].startswith("${GRAFANA_ADMIN_PASSWORD_FILE:?")
     assert (PROVISIONING / "datasources").is_dir() and (PROVISIONING / "dashboards").is_dir()
 
 

@@ -50,7 +50,8 @@ def compose_bin() -> str:
 
 def render(env_extra: dict[str, str], *files: str) -> tuple[int, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "DOCKER_"))}
-    env.update({"GRAFANA_ADMIN_PASSWORD": "not-used", **env_extra})
+    env.pop("LISTEN_HOST", None)
+    env.update({"GRAFANA_ADMIN_PASSWORD_FILE": "/dev/null", **env_extra})
     out = subprocess.run([compose_bin(), *files, "config"], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=60)
     return out.returncode, out.stdout + out.stderr
@@ -85,15 +86,15 @@ def test_hadolint_passes():
 @pytest.mark.parametrize("files", [["-f", "docker-compose.yml"], COMPOSE_FILES], ids=["base", "base+ci"])
 def test_compose_config_is_valid(files):
     out = subprocess.run([compose_bin(), *files, "config", "-q"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "GRAFANA_ADMIN_PASSWORD": "x"})
+                         timeout=60, env={**os.environ, "GRAFANA_ADMIN_PASSWORD_FILE": "/dev/null"})
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 def test_compose_has_no_default_grafana_password():
-    env = {k: v for k, v in os.environ.items() if k != "GRAFANA_ADMIN_PASSWORD"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GRAFANA_ADMIN_PASSWORD")}
     out = subprocess.run([compose_bin(), "config", "-q"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=60)
-    assert out.returncode != 0 and "set GRAFANA_ADMIN_PASSWORD" in out.stderr, out.stderr
+    assert out.returncode != 0 and "set GRAFANA_ADMIN_PASSWORD_FILE" in out.stderr, out.stderr
 
 
 def test_base_compose_wires_gpus_strategy_volumes_and_rules():
@@ -110,6 +111,14 @@ def test_base_compose_wires_gpus_strategy_volumes_and_rules():
     assert t["shm_size"] in ("4gb", 4 << 30) and t["init"] is True
     assert mounts(t)["/workspace/runs"] == "runs"
     assert t["build"]["args"]["BASE_IMAGE"].startswith("pytorch/pytorch:2.")
+    # hardening: no capabilities, no privilege gain; read-only roots where the service allows it
+    for name, svc in s.items():
+        assert svc["cap_drop"] == ["ALL"] and svc["security_opt"] == ["no-new-privileges:true"], name
+    for name in ("trainer", "exporter", "prometheus"):
+        assert s[name]["read_only"] is True and s[name]["tmpfs"] == ["/tmp"], name
+    assert t["environment"]["HOME"] == "/tmp"  # caches on the tmpfs
+    g = s["grafana"]
+    assert "GF_SECURITY_ADMIN_PASSWORD" not in g["environment"] and g["secrets"] == [{"source": "grafana_admin_password"}]
     assert s["exporter"]["command"][:3] == ["export", "--port", "9400"]
     assert "9400/health" in " ".join(s["exporter"]["healthcheck"]["test"])
     prom = mounts(s["prometheus"])
@@ -127,8 +136,10 @@ def test_base_compose_wires_gpus_strategy_volumes_and_rules():
 
 
 def test_ci_override_only_switches_to_host_network_on_loopback():
-    env = {"LISTEN_HOST": "127.0.0.1", "PROMETHEUS_PORT": "19090"}
-    rc, base_text = render(env, "-f", "docker-compose.yml")
+    """LISTEN_HOST unset: the CI stack's servers bind 127.0.0.1 on the host (the base file's 0.0.0.0 is
+    only the container's own interface on a bridge network). Wider takes an explicit LISTEN_HOST."""
+    env = {"PROMETHEUS_PORT": "19090"}
+    rc, base_text = render({**env, "LISTEN_HOST": "127.0.0.1"}, "-f", "docker-compose.yml")
     rc2, ci_text = render(env, *COMPOSE_FILES)
     assert rc == 0 and rc2 == 0, base_text + ci_text
     base, ci = yaml.safe_load(base_text), yaml.safe_load(ci_text)
@@ -139,9 +150,14 @@ def test_ci_override_only_switches_to_host_network_on_loopback():
         # Everything else equals the base file, except the documented loopback switches.
         changed = {k for k in set(svc) | set(base["services"][name])
                    if _unordered(svc.get(k)) != _unordered(base["services"][name].get(k))}
-        allowed = {"network_mode"} | {"prometheus": {"volumes"}, "grafana": {"environment"}}.get(name, set())
+        allowed = {"network_mode"} | {"prometheus": {"volumes", "command"}, "grafana": {"environment"},
+                                      "trainer": {"command"}, "exporter": {"command"}}.get(name, set())
         assert changed <= allowed, f"{name}: the override also changes {sorted(changed - allowed)}"
     s = ci["services"]
+    # the re-declared commands are the base file's, with LISTEN_HOST=127.0.0.1 (compared to a base
+    # rendered with it): no other argument drifts
+    for name in ("trainer", "exporter", "prometheus"):
+        assert s[name]["command"] == base["services"][name]["command"], name
     for name in ("trainer", "exporter", "prometheus"):
         assert not s[name].get("ports"), f"{name} publishes ports: host networking refuses them"
     assert "telemetry.host=127.0.0.1" in s["trainer"]["command"]
@@ -154,6 +170,10 @@ def test_ci_override_only_switches_to_host_network_on_loopback():
             for target in group["targets"]:
                 assert ipaddress.ip_address(target.rsplit(":", 1)[0]).is_loopback, (f, target)
     assert not PRIVATE.search(ci_text), PRIVATE.search(ci_text)
+    assert "0.0.0.0" not in ci_text
+    # an explicit choice opens it
+    rc, wide = render({**env, "LISTEN_HOST": "0.0.0.0"}, *COMPOSE_FILES)
+    assert rc == 0 and "--web.listen-address=0.0.0.0:19090" in yaml.safe_load(wide)["services"]["prometheus"]["command"]
 
 
 def _unordered(value):
@@ -171,7 +191,7 @@ def test_dockerfile_contract():
     kinds = [k for k, _ in ins]
     arg = next(v for k, v in ins if k == "ARG" and v.startswith("BASE_IMAGE="))
     base = arg.split("=", 1)[1]
-    assert re.fullmatch(r"pytorch/pytorch:\d+\.\d+\.\d+-cuda[\d.]+-cudnn\d+-runtime", base), base
+    assert re.fullmatch(r"pytorch/pytorch:\d+\.\d+\.\d+-cuda[\d.]+-cudnn\d+-runtime@sha256:[0-9a-f]{64}", base), base
     assert ("FROM", "${BASE_IMAGE}") in ins
     assert any(k == "ENV" and "CUDA_DEVICE_ORDER=PCI_BUS_ID" in v for k, v in ins)
     assert dict(ins)["ENTRYPOINT"] == '["python", "-m", "job"]'
@@ -179,13 +199,134 @@ def test_dockerfile_contract():
     assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", user), f"USER {user}: numeric and not root"
     # Dependencies are installed in a layer before the code is copied (editing job/ keeps the cache).
     copies = [(i, v) for i, (k, v) in enumerate(ins) if k == "COPY"]
-    deps = next(i for i, v in copies if "pyproject.toml" in v)
+    deps = next(i for i, v in copies if "docker/requirements.lock" in v)
     code = next(i for i, v in copies if v.startswith("job/"))
     pip = next(i for i, (k, v) in enumerate(ins) if k == "RUN" and "pip install" in v)
     assert deps < pip < code, (deps, pip, code)
+    # exactly the lock: hashes required, nothing resolved at build time
+    install = ins[pip][1]
+    assert "--require-hashes" in install and "--no-deps" in install and "-r /tmp/build/requirements.lock" in install
     assert kinds.index("USER") > pip
     ignore = (ROOT / ".dockerignore").read_text().split()
     assert ignore[ignore.index("*") + 1:][:1] and "!job/" in ignore and "*" in ignore  # allow-list
+
+
+# ------------------------------------------------------------------ one torch, locked dependencies, pinned images
+
+
+def torch_pins(root: Path = ROOT) -> dict[str, str]:
+    """The torch version each place names: the venv's pin (Makefile), the image's base tag and its build
+    check (Dockerfile), compose's default base, and CI's stand-in (docker/build-base.sh)."""
+    out = {}
+    pin = re.search(r"^TORCH_PIN := torch==(\S+) torchvision==(\S+)\s*$", (root / "Makefile").read_text(), re.M)
+    out["Makefile TORCH_PIN"] = pin.group(1) if pin else "missing"
+    docker = (root / "Dockerfile").read_text()
+    tag = re.search(r"^ARG BASE_IMAGE=pytorch/pytorch:([0-9.]+)-cuda", docker, re.M)
+    out["Dockerfile BASE_IMAGE tag"] = tag.group(1) if tag else "missing"
+    check = re.search(r"^ARG TORCH_VERSION=(\S+)$", docker, re.M)
+    out["Dockerfile TORCH_VERSION"] = check.group(1) if check else "missing"
+    compose = yaml.safe_load((root / "docker-compose.yml").read_text())
+    default = re.search(r"pytorch/pytorch:([0-9.]+)-cuda", compose["services"]["trainer"]["build"]["args"]["BASE_IMAGE"])
+    out["docker-compose.yml BASE_IMAGE"] = default.group(1) if default else "missing"
+    script = (root / "docker" / "build-base.sh").read_text()
+    # the stand-in installs the Makefile's line itself (no version of its own to drift)
+    out["docker/build-base.sh"] = (out["Makefile TORCH_PIN"]
+                                   if "TORCH_PIN=${TORCH_PIN:-$(sed -n 's/^TORCH_PIN := //p' Makefile)}" in script
+                                   and "$TORCH_PIN numpy pip" in script else "its own")
+    return out
+
+
+def test_one_torch_version_everywhere():
+    """The venv, the image and CI's stand-in run one torch: the Makefile's TORCH_PIN."""
+    import torch
+    import torchvision
+
+    pins = torch_pins()
+    assert len(set(pins.values())) == 1, pins
+    pin = re.search(r"^TORCH_PIN := torch==(\S+) torchvision==(\S+)", (ROOT / "Makefile").read_text(), re.M)
+    # the venv these tests run in is the one `make setup` builds from that pin
+    assert torch.__version__.split("+")[0] == pin.group(1), torch.__version__
+    assert torchvision.__version__.split("+")[0] == pin.group(2), torchvision.__version__
+    # the compose default base is the Dockerfile's, byte for byte (tag and digest)
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    arg = re.search(r"^ARG BASE_IMAGE=(\S+)$", (ROOT / "Dockerfile").read_text(), re.M).group(1)
+    assert compose["services"]["trainer"]["build"]["args"]["BASE_IMAGE"] == f"${{BASE_IMAGE:-{arg}}}"
+
+
+def test_torch_drift_is_caught(tmp_path):
+    """The check above can fail: a copy with the Dockerfile's base one version behind is reported."""
+    for f in ("Makefile", "Dockerfile", "docker-compose.yml"):
+        shutil.copy(ROOT / f, tmp_path / f)
+    (tmp_path / "docker").mkdir()
+    shutil.copy(ROOT / "docker" / "build-base.sh", tmp_path / "docker" / "build-base.sh")
+    assert len(set(torch_pins(tmp_path).values())) == 1
+    text = (tmp_path / "Dockerfile").read_text()
+    (tmp_path / "Dockerfile").write_text(re.sub(r"pytorch/pytorch:[0-9.]+-", "pytorch/pytorch:2.9.0-", text))
+    pins = torch_pins(tmp_path)
+    assert pins["Dockerfile BASE_IMAGE tag"] == "2.9.0" and len(set(pins.values())) == 2, pins
+    script = (tmp_path / "docker" / "build-base.sh").read_text()
+    (tmp_path / "docker" / "build-base.sh").write_text(script.replace("$TORCH_PIN numpy pip", "torch==2.13.0+cpu numpy pip"))
+    assert torch_pins(tmp_path)["docker/build-base.sh"] == "its own"
+
+
+def _lock():
+    sys.path.insert(0, str(ROOT / "docker"))
+    try:
+        import lock
+    finally:
+        sys.path.remove(str(ROOT / "docker"))
+    return lock
+
+
+def test_lock_covers_pyproject_and_its_hashes_hold(tmp_path):
+    """docker/requirements.lock: every runtime dependency of pyproject.toml (torch/torchvision excepted),
+    at versions its specifiers allow, each with a sha256; pip, asked for exactly those with
+    --require-hashes, gets wheels whose bytes match (this machine's package sources; no registry)."""
+    lock = _lock()
+    text = (ROOT / "docker" / "requirements.lock").read_text()
+    locked = lock.parse(text)
+    assert "torch" not in locked and "torchvision" not in locked
+    out = subprocess.run([sys.executable, str(ROOT / "docker" / "lock.py"), "--check"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    dl = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--require-hashes", "--no-deps",
+                         "--only-binary=:all:", "-d", str(tmp_path / "w"), "-r", str(ROOT / "docker" / "requirements.lock")],
+                        capture_output=True, text=True, timeout=300)
+    assert dl.returncode == 0, dl.stderr[-2000:]
+    assert len(list((tmp_path / "w").glob("*.whl"))) == len(locked)
+    # a hash that does not match the wheel is refused by the same command
+    name, (version, hashes) = next(iter(locked.items()))
+    bad = tmp_path / "bad.lock"
+    bad.write_text(f"{name}=={version} --hash=sha256:{'0' * 64}\n")
+    dl = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--require-hashes", "--no-deps",
+                         "--only-binary=:all:", "-d", str(tmp_path / "w2"), "-r", str(bad)],
+                        capture_output=True, text=True, timeout=300)
+    assert dl.returncode != 0 and "THESE PACKAGES DO NOT MATCH THE HASHES" in dl.stderr, dl.stderr[-2000:]
+    for broken in ("omegaconf>=2.3 --hash=sha256:" + "a" * 64, "omegaconf==2.4.0", "omegaconf==2.4.0 --hash=sha256:xyz"):
+        with pytest.raises(ValueError, match="not `name==version"):
+            lock.parse(broken + "\n")
+
+
+def test_every_pulled_image_is_pinned_by_digest():
+    """Offline and strict: the Dockerfile's base and every compose image (and its defaults) is
+    NAME:TAG@sha256:<64 hex>, except `trainjob`, which compose builds."""
+    sys.path.insert(0, str(ROOT / "docker"))
+    try:
+        import images
+    finally:
+        sys.path.remove(str(ROOT / "docker"))
+    refs = images.references()
+    wheres = {w.split(" (")[0] for w, _ in refs}
+    assert {"Dockerfile ARG BASE_IMAGE", "docker-compose.yml trainer build arg BASE_IMAGE",
+            "docker-compose.yml prometheus image", "docker-compose.yml grafana image",
+            "docker-compose.yml trainer image", "docker-compose.yml exporter image"} <= wheres, wheres
+    assert images.problems(refs) == []
+    for bad in ("prom/prometheus:v2.53.2", "prom/prometheus@sha256:" + "a" * 64,
+                "prom/prometheus:v2.53.2@sha256:" + "a" * 63, "prom/prometheus:v2.53.2@sha256:" + "G" * 64):
+        assert images.problems([("x", bad)]), bad
+    out = subprocess.run([sys.executable, str(ROOT / "docker" / "images.py"), "check"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
 
 
 # ------------------------------------------------------------------ the real engine
@@ -362,9 +503,11 @@ def stack(engine, standin):
     base, prom_image = standin
     project = f"trainjobci{os.getpid()}"
     port = free_port()
+    password_file = Path(tempfile.mkdtemp(prefix="tjg-")) / "grafana_admin_password"
+    password_file.write_text(secrets.token_hex(12))
     env = {**engine.env,
-           "COMPOSE_PROJECT_NAME": project, "GRAFANA_ADMIN_PASSWORD": secrets.token_hex(12),
-           "LISTEN_HOST": "127.0.0.1", "PROMETHEUS_PORT": str(port),
+           "COMPOSE_PROJECT_NAME": project, "GRAFANA_ADMIN_PASSWORD_FILE": str(password_file),
+           "PROMETHEUS_PORT": str(port),
            "BASE_IMAGE": base, "PROMETHEUS_IMAGE": prom_image, "TRAINJOB_IMAGE": "trainjob:ci", "PIP_NO_INDEX": "1",
            "STRATEGY": "ddp", "WORKLOAD": "tiny", "STEPS": "1000000", "RUN_ID": "ci", "GPUS": GPUS,
            "TRAINJOB_HOST": NODE}
@@ -387,6 +530,7 @@ def stack(engine, standin):
         left = engine.run("ps", "-aq", "--filter", f"label=com.docker.compose.project={project}", check=False)
         vols = engine.run("volume", "ls", "-q", "--filter", f"label=com.docker.compose.project={project}",
                           check=False)
+        shutil.rmtree(password_file.parent, ignore_errors=True)
         assert not left.stdout.strip() and not vols.stdout.strip(), (left.stdout, vols.stdout)
 
 

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,9 +60,20 @@ def rendered_with_exporter(tmp_path_factory) -> list[dict]:
     overlay = tmp_path_factory.mktemp("overlay")
     rel = os.path.relpath(K8S, overlay)
     (overlay / "kustomization.yaml").write_text(
-        f"resources:\n  - {rel}\ncomponents:\n  - {rel}/exporter\n"
+        f"resources:\n  - {rel}\ncomponents:\n  - {rel}/exporter\n  - {rel}/image\n"
     )
     return render(overlay)
+
+
+def without_images(doc: dict) -> dict:
+    """The object with every container image blanked (the k8s/image component rewrites them) and no
+    namespace (the kustomizations set one; the plain files do not)."""
+    doc = json.loads(json.dumps(doc))
+    doc["metadata"].pop("namespace", None)
+    for _, template in pod_templates(doc):
+        for c in all_containers(template):
+            c["image"] = ""
+    return doc
 
 
 def every_doc(rendered_with_exporter) -> list[tuple[str, dict]]:
@@ -80,9 +92,16 @@ def test_kustomization_renders_job_and_monitoring(rendered):
     assert ("ConfigMap", "trainjob-config") in kinds and ("PersistentVolumeClaim", "trainjob-runs") in kinds
     # job.yaml is applied as is, and the kustomization renders exactly the same objects from it
     for doc in load_docs(JOB):
-        assert one(rendered, doc["kind"], doc["metadata"]["name"]) == doc
-    # namespace-agnostic: `kubectl apply -n X` / kustomize `namespace:` decide
-    assert all("namespace" not in d["metadata"] for d in rendered)
+        assert without_images(one(rendered, doc["kind"], doc["metadata"]["name"])) == without_images(doc)
+    # never silently in `default`: the kustomization puts everything in its own namespace, which it
+    # creates with PodSecurity admission enforcing "restricted"; the plain files stay namespace-free (-n)
+    ns = one(rendered, "Namespace")
+    assert all(d["metadata"].get("namespace") == ns["metadata"]["name"] != "default"
+               for d in rendered if d["kind"] != "Namespace")
+    labels = ns["metadata"]["labels"]
+    assert labels["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert labels["pod-security.kubernetes.io/enforce-version"] == "latest"
+    assert all("namespace" not in d["metadata"] for p in MANIFESTS for d in load_docs(p))
 
 
 @pytest.mark.parametrize("path", [MULTINODE, PYTORCHJOB], ids=["multinode", "pytorchjob"])
@@ -92,9 +111,10 @@ def test_multinode_kustomizations_add_only_monitoring(path, rendered):
     monitoring = [d for d in rendered if d["apiVersion"].startswith("monitoring.coreos.com/")
                   or d["metadata"].get("labels", {}).get("grafana_dashboard")]
     raw = load_docs(path)
-    assert len(out) == len(raw) + len(monitoring)
+    assert len(out) == len(raw) + len(monitoring) + 1  # + the Namespace
+    assert one(out, "Namespace") == one(rendered, "Namespace")
     for doc in raw + monitoring:
-        assert one(out, doc["kind"], doc["metadata"]["name"]) == doc
+        assert without_images(one(out, doc["kind"], doc["metadata"]["name"])) == without_images(doc)
 
 
 def test_exporter_component_is_optional(rendered, rendered_with_exporter):
@@ -305,34 +325,166 @@ def test_podmonitor_selects_every_trainer_pod(rendered, rendered_with_exporter):
     assert pm["spec"]["jobLabel"] == "app.kubernetes.io/name" and selector["app.kubernetes.io/name"] == "trainjob"
 
 
-def test_job_failure_policy_and_retries():
-    """Config errors (exit 2) end the Job; preemption/eviction retries without counting."""
-    for path in (JOB, MULTINODE):
+# What each exit code does, per workload (docs/kubernetes.md, "Exit codes"). Keys: (container exit codes,
+# pod conditions); values: the Job controller's action. `trainer` is the main container, `check-config`
+# the multi-node config check. 0: done; 2: bad input; 75: interrupted after a checkpoint; else a crash.
+JOB_EXITS = {
+    (("trainer", 2),): "FailJob",                         # bad input: never retried
+    (("trainer", 75),): "Ignore",                         # checkpointed on SIGTERM: next pod resumes, not counted
+    (("trainer", 75), "DisruptionTarget"): "Ignore",      # preempted/evicted
+    (("trainer", 1),): "Count",                           # crash: retried from the checkpoint, counted
+    (("trainer", 137),): "Count",                         # OOM kill / SIGKILL after the grace period
+}
+MULTINODE_EXITS = {
+    (("check-config", 2),): "FailJob",                    # bad input caught before torchrun hides it
+    (("check-config", 0), ("trainer", 1)): "FailJob",     # a rank crashed (torchrun: 1): the whole Job ends
+    (("check-config", 0), ("trainer", 137)): "FailJob",   # killed (liveness probe, OOM): the whole Job ends
+    (("check-config", 0), ("trainer", 1), "DisruptionTarget"): "Ignore",  # preempted: a new pod, not counted
+    (("check-config", 1),): "Count",                      # the check itself crashed: retried
+}
+
+
+def test_job_failure_policy_exit_codes():
+    """The podFailurePolicy as the API server validates it and as the Job controller applies it."""
+    from tests._k8s_helpers import pod_failure_action, pod_failure_policy_problems
+
+    for path, table in ((JOB, JOB_EXITS), (MULTINODE, MULTINODE_EXITS)):
         job = one(load_docs(path), "Job")
-        spec, pod = job["spec"], job["spec"]["template"]["spec"]
-        assert pod["restartPolicy"] == "Never", "podFailurePolicy requires restartPolicy Never"
+        spec = job["spec"]
+        assert not pod_failure_policy_problems(job), (path.name, pod_failure_policy_problems(job))
         assert spec["backoffLimit"] >= 1
         # the replacement waits for the old pod's SIGTERM checkpoint to finish (one writer at a time)
         assert spec["podReplacementPolicy"] == "Failed"
-        rules = spec["podFailurePolicy"]["rules"]
-        names = {c["name"] for c in all_containers(job["spec"]["template"])}
-        for rule in rules:
-            assert rule["action"] in ("FailJob", "Ignore", "Count", "FailIndex")
-            if "onExitCodes" in rule:
-                assert rule["onExitCodes"].get("containerName", next(iter(names))) in names
-                assert 0 not in rule["onExitCodes"]["values"]
-        fail = [r for r in rules if r["action"] == "FailJob"]
-        assert len(fail) == 1 and fail[0]["onExitCodes"] == {
-            "containerName": fail[0]["onExitCodes"]["containerName"], "operator": "In", "values": [2]}
-        assert rules[0] is fail[0], "the config-error rule must come first (first match wins)"
-        ignore = [r for r in rules if r["action"] == "Ignore"]
-        assert ignore and ignore[0]["onPodConditions"] == [{"type": "DisruptionTarget", "status": "True"}]
-        # exit 75 (checkpointed on SIGTERM) is never a permanent failure
-        assert not any(75 in r.get("onExitCodes", {}).get("values", []) and r["action"] == "FailJob" for r in rules)
-        # the container the FailJob rule watches is the one that runs the config check
-        watched = next(c for c in all_containers(job["spec"]["template"])
-                       if c["name"] == fail[0]["onExitCodes"]["containerName"])
-        assert "train" in watched["args"]
+        for key, want in table.items():
+            codes = dict(k for k in key if isinstance(k, tuple))
+            conditions = tuple(k for k in key if isinstance(k, str))
+            assert pod_failure_action(job, codes, conditions) == want, (path.name, key)
+        # exit 75 (checkpointed on SIGTERM) is never a permanent failure, 0 never matches a rule
+        for rule in spec["podFailurePolicy"]["rules"]:
+            values = rule.get("onExitCodes", {}).get("values", [])
+            assert not (rule["action"] == "FailJob" and rule["onExitCodes"]["operator"] == "In" and 75 in values)
+
+
+def test_failure_policy_checks_can_fail():
+    """The validator and the simulation above see a broken policy."""
+    from tests._k8s_helpers import pod_failure_action, pod_failure_policy_problems
+
+    job = one(load_docs(MULTINODE), "Job")
+    job["spec"]["podFailurePolicy"]["rules"][-1]["onExitCodes"]["containerName"] = "trainr"
+    assert pod_failure_policy_problems(job) == ["rule 2: no container trainr"]
+    assert pod_failure_action(job, {"trainer": 1}) == "Count"  # a crash would no longer end the Job
+    job = one(load_docs(JOB), "Job")
+    job["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] = [0, 2]
+    assert "rule 0: 0 with operator In" in pod_failure_policy_problems(job)
+    job["spec"]["template"]["spec"]["restartPolicy"] = "OnFailure"
+    assert "podFailurePolicy needs restartPolicy Never" in pod_failure_policy_problems(job)
+
+
+def test_pytorchjob_exit_codes_end_the_whole_job():
+    """Kubeflow's ExitCode policy: 1-127 fail the job (torchrun's 1 when a rank crashed; the config
+    check's 2), 128-255 (killed by a signal) restart the pod; cleanPodPolicy Running then deletes the
+    pods still running, so one failed node ends them all."""
+    ptj = one(load_docs(PYTORCHJOB), "PyTorchJob")
+    for rtype, s in ptj["spec"]["pytorchReplicaSpecs"].items():
+        assert s["restartPolicy"] == "ExitCode", rtype
+    assert ptj["spec"]["runPolicy"]["cleanPodPolicy"] == "Running"
+    assert ptj["spec"]["runPolicy"]["backoffLimit"] >= 1
+
+
+def test_deadlines_ttl_and_liveness_probes(tmp_path):
+    """Every Job and the PyTorchJob ends after activeDeadlineSeconds and is cleaned up after
+    ttlSecondsAfterFinished; trainer pods probe /health leniently (longer than telemetry.stall_s, and
+    the startup probe covers the first steps' compile and memory probing); a kustomize patch changes
+    the deadline."""
+    specs = {"job": one(load_docs(JOB), "Job")["spec"], "multinode": one(load_docs(MULTINODE), "Job")["spec"],
+             "pytorchjob": one(load_docs(PYTORCHJOB), "PyTorchJob")["spec"]["runPolicy"]}
+    for name, spec in specs.items():
+        assert 3600 <= spec["activeDeadlineSeconds"] <= 30 * 86400, name
+        assert 3600 <= spec["ttlSecondsAfterFinished"] <= 30 * 86400, name
+    for tw, _template, c in trainer_containers([("", d) for p in MANIFESTS for d in load_docs(p)]):
+        args = c["args"]
+        stall = int(next(a for a in args if a.startswith("telemetry.stall_s=")).split("=")[1])
+        assert stall >= 600, tw
+        live, start = c["livenessProbe"], c["startupProbe"]
+        for probe in (live, start):
+            assert probe["httpGet"] == {"path": "/health", "port": "metrics"}, tw
+            assert probe["timeoutSeconds"] >= 5, tw
+        # the startup probe waits at least 10 min for the metrics server (model build, first compile)
+        assert start["periodSeconds"] * start["failureThreshold"] >= 600, tw
+        # a stall is only declared by /health itself (after stall_s); the probe then tolerates minutes
+        assert live["periodSeconds"] * live["failureThreshold"] >= 180, tw
+        assert "initialDelaySeconds" not in live, f"{tw}: the startup probe holds the liveness probe back"
+    # configurable through kustomize, as docs/kubernetes.md shows
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    rel = os.path.relpath(K8S, overlay)
+    (overlay / "kustomization.yaml").write_text(
+        f"resources:\n  - {rel}\n"
+        "patches:\n"
+        "  - target: {kind: Job, name: trainjob}\n"
+        "    patch: |\n"
+        "      - {op: replace, path: /spec/activeDeadlineSeconds, value: 7200}\n")
+    assert one(render(overlay), "Job", "trainjob")["spec"]["activeDeadlineSeconds"] == 7200
+
+
+def test_liveness_probe_against_a_hung_rank(tmp_path):
+    """The probe's request against job.yaml's trainer (2 CPU ranks): 200 while it trains; rank 1 stopped
+    (SIGSTOP), rank 0 waits in the all-reduce and /health answers 503 "stalled" after telemetry.stall_s;
+    rank 1 continued, it is healthy again; SIGTERM still checkpoints and exits 75."""
+    import signal
+    import urllib.error
+    import urllib.request
+
+    from tests.test_k8s_contract import CPU_OVERRIDE, job_pod, metrics_port_override, start
+
+    pod, _ = job_pod(tmp_path, "trainjob-live1")
+    path = pod.container("trainer")["livenessProbe"]["httpGet"]["path"]
+    port, telemetry = metrics_port_override()
+    peers = tmp_path / "peers"
+    log = tmp_path / "pod.log"
+    proc = start(pod, "trainer", CPU_OVERRIDE + ["strategy.nprocs=2", "train.steps=100000", "telemetry.stall_s=2",
+                                                  f"telemetry.peer_dir={peers}"] + telemetry, log)
+
+    def health() -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+        except OSError:
+            return 0, {}
+
+    def wait(pred, seconds):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and proc.poll() is None:
+            got = health()
+            if pred(*got):
+                return got
+            time.sleep(0.3)
+        raise AssertionError(f"{health()}\n{log.read_text()[-2000:]}")
+
+    rank1 = None
+    try:
+        wait(lambda code, h: code == 200 and h.get("steps", 0) >= 2, 120)
+        rank1 = json.loads((peers / "local_rank-1.json").read_text())["pid"]
+        os.kill(rank1, signal.SIGSTOP)
+        t0 = time.monotonic()
+        _, body = wait(lambda code, h: code == 503, 30)
+        took = time.monotonic() - t0
+        assert body["status"] == "stalled" and body["stall_s"] == 2 and body["seconds_since_step"] > 2, body
+        os.kill(rank1, signal.SIGCONT)
+        wait(lambda code, h: code == 200, 30)
+    finally:
+        if rank1:
+            os.kill(rank1, signal.SIGCONT)
+        proc.terminate()
+        try:
+            rc = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+    print(f"\nhung rank -> /health 503 after {took:.1f} s (stall_s=2)")
+    assert took < 15 and rc == 75, log.read_text()[-2000:]
 
 
 def test_multinode_indexed_job_and_headless_service():
@@ -383,6 +535,7 @@ def test_pytorchjob_shape():
     assert specs["Master"]["template"] == specs["Worker"]["template"]
     for s in specs.values():
         assert s["restartPolicy"] in ("Always", "OnFailure", "Never", "ExitCode")
+        assert s["template"]["metadata"]["labels"].items() >= TRAINER_LABELS.items()
         c = s["template"]["spec"]["containers"][0]
         # the operator finds the master port by this name
         assert {"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"} in c["ports"]
@@ -525,3 +678,176 @@ def test_sync_check_fails_on_drift(tmp_path, monkeypatch):
     problems = sync.stale()
     assert any("kustomization.yaml" in p for p in problems)
     assert any("orphan.yaml (no source)" in p for p in problems)
+
+
+# ---------------------------------------------------------------- network policies
+
+
+NAMESPACE = {"namespace": "team", "ns_labels": {"kubernetes.io/metadata.name": "team"}}
+PROMETHEUS = {"namespace": "monitoring", "ns_labels": {"kubernetes.io/metadata.name": "monitoring"},
+              # what the Prometheus Operator puts on kube-prometheus-stack's Prometheus pods
+              "labels": {"app.kubernetes.io/name": "prometheus", "prometheus": "kube-prometheus-stack-prometheus",
+                         "operator.prometheus.io/name": "kube-prometheus-stack-prometheus"}, "ports": {}}
+NCCL_PORT = 45123  # NCCL and gloo connect on ephemeral ports
+
+
+def controller_pods(doc: dict) -> list[dict]:
+    """The pods the Job controller / Training Operator / DaemonSet controller create from a workload,
+    with the labels those controllers add (kubernetes/pkg/controller/job, training-operator v1)."""
+    name, kind = doc["metadata"]["name"], doc["kind"]
+    out = []
+    for where, template in pod_templates(doc):
+        labels = dict(template["metadata"].get("labels", {}))
+        ports = {p["name"]: p["containerPort"] for c in template["spec"]["containers"] for p in c.get("ports", [])}
+        if kind == "Job":
+            n = doc["spec"].get("completions", 1) if doc["spec"].get("completionMode") == "Indexed" else 1
+            for i in range(n):
+                extra = {"batch.kubernetes.io/job-name": name, "job-name": name,
+                         "batch.kubernetes.io/controller-uid": "uid-1", "controller-uid": "uid-1"}
+                if doc["spec"].get("completionMode") == "Indexed":
+                    extra["batch.kubernetes.io/job-completion-index"] = str(i)
+                out.append({**NAMESPACE, "name": f"{name}-{i}", "labels": {**labels, **extra}, "ports": ports})
+        elif kind == "PyTorchJob":
+            rtype = where.split("/")[-1]
+            spec = doc["spec"]["pytorchReplicaSpecs"][rtype]
+            for i in range(spec.get("replicas", 1)):
+                extra = {"training.kubeflow.org/job-name": name, "training.kubeflow.org/operator-name": "pytorchjob-controller",
+                         "training.kubeflow.org/replica-type": rtype.lower(), "training.kubeflow.org/replica-index": str(i)}
+                if rtype == "Master":
+                    extra["training.kubeflow.org/job-role"] = "master"
+                out.append({**NAMESPACE, "name": f"{name}-{rtype.lower()}-{i}", "labels": {**labels, **extra},
+                            "ports": ports})
+        elif kind == "DaemonSet":
+            out.append({**NAMESPACE, "name": f"{name}-abcde", "labels": {**labels, "controller-revision-hash": "1"},
+                        "ports": ports})
+    return out
+
+
+def policy_problems(docs: list[dict]) -> list[str]:
+    """Every workload pod is isolated by a policy that admits exactly: Prometheus on the metrics port
+    (the port the PodMonitor scrapes), the workload's own other pods on every port when it has several
+    (rendezvous, NCCL), and nobody else: not another trainjob workload's pods (same labels but
+    app.kubernetes.io/instance), not a pod labelled `prometheus` outside the monitoring namespace."""
+    from tests._k8s_helpers import ingress_allowed
+
+    policies = [{**d, "metadata": {**d["metadata"], "namespace": "team"}} for d in docs if d["kind"] == "NetworkPolicy"]
+    workloads = [d for d in docs if pod_templates(d)]
+    pods = {d["metadata"]["name"]: controller_pods(d) for d in workloads}
+    impostors = [
+        {**NAMESPACE, "name": "curious", "labels": {"app": "notebook"}, "ports": {}},
+        {**NAMESPACE, "name": "fake-prometheus", "labels": dict(PROMETHEUS["labels"]), "ports": {}},
+        {"namespace": "other", "ns_labels": {"kubernetes.io/metadata.name": "other"}, "name": "x",
+         "labels": {"app.kubernetes.io/name": "trainjob", "app.kubernetes.io/component": "trainer"}, "ports": {}},
+    ]
+    out = []
+    for wname, wpods in pods.items():
+        for pod in wpods:
+            metrics = pod["ports"].get("metrics", pod["ports"].get("exporter"))
+            ports = sorted(set(pod["ports"].values()) | {NCCL_PORT, 29500, 23456})
+            own = [p for p in wpods if p is not pod]
+            others = [p for n, ps in pods.items() if n != wname for p in ps] + impostors
+            for port in ports:
+                if ingress_allowed(policies, pod, PROMETHEUS, port) != (port == metrics):
+                    out.append(f"{pod['name']}: Prometheus on {port}: {'admitted' if port != metrics else 'refused'}")
+                for peer in own:
+                    if not ingress_allowed(policies, pod, peer, port):
+                        out.append(f"{pod['name']}: own pod {peer['name']} refused on {port}")
+                for peer in others:
+                    if ingress_allowed(policies, pod, peer, port):
+                        out.append(f"{pod['name']}: {peer['name']} ({peer['namespace']}) admitted on {port}")
+    return out
+
+
+@pytest.mark.parametrize("source", ["kustomize k8s (+exporter)", "multinode", "pytorchjob"])
+def test_network_policies_admit_exactly_the_intended_peers(source, rendered_with_exporter):
+    docs = {"multinode": lambda: render(MULTINODE.parent), "pytorchjob": lambda: render(PYTORCHJOB.parent)}.get(
+        source, lambda: rendered_with_exporter)()
+    workloads = [d for d in docs if pod_templates(d)]
+    assert workloads and all(controller_pods(d) for d in workloads)
+    assert policy_problems(docs) == []
+    # each NetworkPolicy selects pods of exactly one workload: none is dead weight
+    from tests._k8s_helpers import selects
+
+    for pol in (d for d in docs if d["kind"] == "NetworkPolicy"):
+        hit = {w["metadata"]["name"] for w in workloads for p in controller_pods(w)
+               if selects(pol["spec"]["podSelector"], p["labels"])}
+        assert len(hit) == 1, (pol["metadata"]["name"], hit)
+
+
+def test_network_policy_check_fails_when_a_label_drifts():
+    """Renaming the Job without its policy, or a policy admitting everyone, is caught."""
+    docs = load_docs(MULTINODE)
+    job = one(docs, "Job")
+    job["metadata"]["name"] = "trainjob-mn2"  # the controller's job-name label follows; the policy does not
+    problems = policy_problems(docs)
+    assert any("Prometheus on 29500: admitted" in p for p in problems), problems  # not isolated any more
+    docs = load_docs(PYTORCHJOB)
+    pol = one(docs, "NetworkPolicy")
+    pol["spec"]["ingress"][0]["from"][0]["podSelector"] = {"matchLabels": {"app.kubernetes.io/name": "trainjob"}}
+    assert any("admitted" in p for p in policy_problems(docs + load_docs(MULTINODE)))
+    docs = load_docs(JOB)
+    one(docs, "NetworkPolicy")["spec"]["ingress"][0]["ports"][0]["port"] = 9400
+    assert any("Prometheus on 9401: refused" in p for p in policy_problems(docs))
+
+
+# ---------------------------------------------------------------- the image, pinned by digest
+
+
+def _pins():
+    sys.path.insert(0, str(K8S))
+    try:
+        import pins
+    finally:
+        sys.path.remove(str(K8S))
+    return pins
+
+
+def test_every_image_goes_through_the_one_pin(tmp_path):
+    """Shipped: every container of every kustomization is `trainjob:<tag>` without digest (the user's
+    build, unknown here) and the check refuses each one by name. Pinned once in a copy of k8s/image,
+    every reference in every kustomization (the exporter too) carries that digest."""
+    pins = _pins()
+    digest = "sha256:" + "0123456789abcdef" * 4
+    ref = f"registry.example.com/team/trainjob:0.1.0@{digest}"
+    shipped = pins.images(render(K8S)) + pins.images(render(MULTINODE.parent)) + pins.images(render(PYTORCHJOB.parent))
+    assert len(shipped) == 7 and {img for _, img in shipped} == {"trainjob:0.1.0"}
+    out = subprocess.run([sys.executable, str(K8S / "pins.py"), "check"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("is not pinned by digest") == 7, out.stderr
+    # a copy of k8s/ with the pin written by `pins.py set`, as `make k8s-pin` does
+    import shutil
+
+    copy = tmp_path / "k8s"
+    shutil.copytree(K8S, copy)
+    out = subprocess.run([sys.executable, str(copy / "pins.py"), "set", ref], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    overlay = tmp_path / "with-exporter"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text("resources:\n  - ../k8s\ncomponents:\n  - ../k8s/exporter\n"
+                                                "  - ../k8s/image\n")
+    for d in (copy, copy / "multinode", copy / "pytorchjob", overlay):
+        docs = render(d)
+        assert pins.problems(docs) == [], d
+        assert {img for _, img in pins.images(docs)} == {ref}, d
+    assert subprocess.run([sys.executable, str(copy / "pins.py"), "check", str(copy), str(overlay)],
+                          capture_output=True, timeout=120).returncode == 0
+
+
+@pytest.mark.parametrize("ref", [
+    "trainjob:0.1.0",                                       # no digest
+    "registry/trainjob@sha256:" + "a" * 64,                 # no tag (keep it readable)
+    "registry/trainjob:0.1.0@sha256:" + "a" * 63,           # short digest
+    "registry/trainjob:0.1.0@sha256:" + "A" * 64,           # upper case
+    "registry/trainjob:0.1.0@sha512:" + "a" * 64,           # other algorithm
+])
+def test_pin_refuses_malformed_references(ref, tmp_path):
+    pins = _pins()
+    component = tmp_path / "kustomization.yaml"
+    component.write_text((K8S / "image" / "kustomization.yaml").read_text())
+    with pytest.raises(pins.PinError, match="is not NAME:TAG@sha256"):
+        pins.set_ref(ref, component)
+    assert not pins.PINNED.match(ref)
+    assert component.read_text() == (K8S / "image" / "kustomization.yaml").read_text()
+    out = subprocess.run([sys.executable, str(K8S / "pins.py"), "set", ref], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.startswith("error: ") and "Traceback" not in out.stderr

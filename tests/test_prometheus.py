@@ -12,13 +12,14 @@ import subprocess
 import threading
 import time
 import urllib.parse
+from types import SimpleNamespace
 
 import pytest
 import yaml
 from _telemetry_helpers import free_port, get, stop
 from conftest import ROOT, job_cmd, need_binary
 
-from job import telemetry
+from job import devices, telemetry
 from job.devices import FakeNvml
 
 PROM = ROOT / "monitoring" / "prometheus"
@@ -127,6 +128,16 @@ def test_prometheus_scrapes_training_run_and_exporter(tmp_path, prometheus):
     exporter = threading.Thread(target=telemetry.export_main, args=(["--port", str(export_port)],),
                                 kwargs={"nvml": nv, "ready": ready, "stop": stop_exporter})
     exporter.start()
+    # A DataParallel process holding memory on both fake cards (the allocator is the one thing that
+    # needs CUDA): the run whose cards the imbalance alert compares.
+    dp_port = free_port()
+    cards = [devices.Card(i, c.uuid, c.pci_bus_id, i, c.name) for i, c in enumerate(nv.cards)]
+    dp = telemetry.TrainingTelemetry(
+        SimpleNamespace(port=dp_port, host="127.0.0.1", log_every=0, peer_dir=str(tmp_path / "peers")),
+        run="dp-fake", strategy="dp", rank=0, local_rank=0, world_size=1, info={"workload": "lm"},
+        device=SimpleNamespace(type="cuda", index=0), nvml=nv, cards=cards,
+        allocator=telemetry.FakeAllocator({0: (80 << 30, 90 << 30, 85 << 30), 1: (20 << 30, 25 << 30, 22 << 30)}),
+    ).start()
     trainer = subprocess.Popen(
         job_cmd("train", "strategy=dp", "workload=tiny", "workload.width=8", "workload.image_size=16",
                 "train.device=cpu", "train.batch_size=8", "train.checkpoint_every=0", "train.steps=100000",
@@ -134,7 +145,7 @@ def test_prometheus_scrapes_training_run_and_exporter(tmp_path, prometheus):
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert ready.wait(30)
-        start_prometheus({"trainjob": train_port, "trainjob-exporter": export_port})
+        start_prometheus({"trainjob": train_port, "trainjob-exporter": export_port, "trainjob-dp": dp_port})
 
         rows = _poll(api, 'trainjob_samples_total{run="e2e"} > 0', lambda r: len(r) == 1, timeout=120)
         labels = rows[0]["metric"]
@@ -151,15 +162,20 @@ def test_prometheus_scrapes_training_run_and_exporter(tmp_path, prometheus):
         assert got == {nv.cards[0].uuid: 0.93, nv.cards[1].uuid: 0.30}
         assert {r["metric"]["pci_bus_id"] for r in ratio} == {c.pci_bus_id for c in nv.cards}
         _poll(api, 'trainjob_nvml_up{job="trainjob-exporter"} == 1', lambda r: len(r) == 1)
-        # the imbalance alert's condition holds (93 % vs 30 %): the alert is pending, not yet firing (for: 5m)
+        # the imbalance alert compares the cards of one run: dp-fake holds memory on both (93 % vs 30 %),
+        # so it is pending (for: 5m); the CPU run has no card, and no alert names it
         alerts = _poll(api, 'ALERTS{alertname="TrainjobGpuMemoryImbalance"}', lambda r: len(r) == 1)
-        assert alerts[0]["metric"]["alertstate"] == "pending"
+        assert alerts[0]["metric"]["alertstate"] == "pending" and alerts[0]["metric"]["run"] == "dp-fake"
+        spread = _poll(api, "run_uuid:trainjob_gpu_memory_used:ratio", lambda r: len(r) == 2)
+        assert {(r["metric"]["run"], round(float(r["value"][1]), 2)) for r in spread} == {("dp-fake", 0.93),
+                                                                                          ("dp-fake", 0.3)}
 
         groups = api("rules")["groups"]
         assert all(rule["health"] == "ok" for g in groups for rule in g["rules"]), groups
         assert {g["name"] for g in groups} == {"trainjob.recording", "trainjob.alerts"}
     finally:
         stop_exporter.set()
+        dp.close()
         rc = stop(trainer)
         exporter.join(30)
     assert rc == 75, trainer.stdout.read()

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -260,6 +261,44 @@ def test_port_in_use_is_an_oserror_for_the_trainer(nv, tmp_path):
         r0.close()
 
 
+def test_health_turns_503_when_no_step_completes_for_stall_s(nv, tmp_path):
+    """/health is the trainer pods' liveness probe: ok while steps complete, 503 "stalled" once none has
+    for telemetry.stall_s seconds (counted from the start: a first step that never ends is a stall too)."""
+    port = free_port()
+    tcfg = SimpleNamespace(**vars(_tcfg(port, tmp_path)), stall_s=1)
+    r0 = _rank(nv, 0, tcfg).start()
+    try:
+        url = f"http://127.0.0.1:{port}/health"
+        code, body = get(url)
+        assert code == 200 and json.loads(body)["status"] == "ok" and json.loads(body)["steps"] == 0
+        time.sleep(1.3)  # no step for longer than stall_s
+        code, body = get(url)
+        h = json.loads(body)
+        assert code == 503 and h["status"] == "stalled" and h["stall_s"] == 1 and h["seconds_since_step"] > 1, h
+        assert get(f"http://127.0.0.1:{port}/metrics")[0] == 200  # metrics keep answering
+        r0.observe_step(0.1, 8, 2.0)  # progress again: healthy again
+        code, body = get(url)
+        assert code == 200 and json.loads(body) | {"status": "ok", "steps": 1} == json.loads(body)
+    finally:
+        r0.close()
+    # stall_s=0: never stalled
+    tcfg0 = SimpleNamespace(**vars(_tcfg(port, tmp_path)), stall_s=0)
+    r0 = _rank(nv, 0, tcfg0).start()
+    try:
+        r0._last_progress -= 10_000
+        assert get(f"http://127.0.0.1:{port}/health")[0] == 200
+    finally:
+        r0.close()
+
+
+@pytest.mark.parametrize("value", ["-1", "x"])
+def test_stall_s_must_be_a_non_negative_number(value):
+    out = subprocess.run(job_cmd("train", f"telemetry.stall_s={value}"), cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith("error: ") and "telemetry.stall_s" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
 def test_port_0_serves_nothing_but_still_counts(nv, tmp_path):
     r = _rank(nv, 0, _tcfg(0, tmp_path)).start()
     r.observe_step(0.1, 4, 1.0)
@@ -315,6 +354,8 @@ def test_cpu_training_run_serves_metrics(tmp_path, strategy, ranks):
         # The memory plan per card/rank: dp's one process holds the batch of 8; ddp's two ranks 4 each.
         plan = {dict(lab)["rank"]: v for (n, lab), v in samples(text).items() if n == "trainjob_plan_samples"}
         assert plan == ({"0": 8.0} if strategy == "dp" else {"0": 4.0, "1": 4.0}), plan
+        code, health = get(f"http://127.0.0.1:{port}/health")  # default telemetry.stall_s: healthy while training
+        assert code == 200 and json.loads(health)["status"] == "ok" and json.loads(health)["stall_s"] == 1800
         check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
         assert check.returncode == 0, check.stdout + check.stderr
     finally:
