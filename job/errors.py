@@ -14,3 +14,7 @@ EXIT_INTERRUPTED = 75
 
 class UsageError(Exception):
     """Bad input the user can fix; printed as one line, exit code 2."""
+
+
+class PeerUsageError(UsageError):
+    """The refusal rank 0 reached and printed, seen by another rank: it exits 2 without printing it again."""

@@ -381,9 +381,12 @@ class BalancedStrategy(Strategy):
         self.run_dir.mkdir(parents=True, exist_ok=True)
         doc = {"key": self._cache_key(), "sizes": self.sizes, "predicted_peak_bytes": self._calib["predicted"],
                "measured_peak_bytes": measured, "trials": self._calib["trials"]}
-        tmp = self.run_dir / (CACHE_NAME + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=2) + "\n")
-        tmp.replace(self.run_dir / CACHE_NAME)
+        from job.rundir import write_atomic
+
+        try:
+            write_atomic(self.run_dir / CACHE_NAME, json.dumps(doc, indent=2) + "\n")
+        except OSError as e:  # a full disk costs the cache (a resume recalibrates), not the run
+            log.warning("balanced: cannot cache the split in %s (%s)", self.run_dir / CACHE_NAME, e.strerror)
 
     def teardown(self) -> None:
         for w in self.workers:
