@@ -6,7 +6,7 @@ import logging
 import os
 import sys
 
-from job.errors import EXIT_USAGE, UsageError
+from job.errors import EXIT_USAGE, PeerUsageError, UsageError
 
 COMMANDS = ("train", "bench", "export", "submit")
 USAGE = "usage: python -m job {train|bench|export|submit} [--config FILE] [key=value ...]  (--help lists keys)"
@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run(cfg)
     except UsageError as e:
-        if not e.quiet:
+        if not isinstance(e, PeerUsageError):  # a peer's refusal is printed once, by rank 0
             print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except _oom_type() as e:

@@ -1,24 +1,33 @@
-"""Checkpoints: strategy-independent state, written atomically, found again by step number.
+"""Checkpoints: strategy-independent state, written atomically, read without running code.
 
 A checkpoint is `<run>/checkpoints/step_XXXXXXXX.pt`, a dict with the unwrapped model state dict, the
 optimizer, the GradScaler, the step, the data position (`sample_position`: global samples consumed, so a
-resume under another split or accumulation continues with the same samples) and every rank's
-RNG states. It is written to a temporary file in the same folder, flushed to disk, then renamed over the
-final name: a crash mid-write leaves the previous checkpoints intact and no partial file under a
-checkpoint name.
+resume under another split or accumulation continues with the same samples), every rank's
+RNG states and the resolved config: tensors and plain Python data only, so it loads with
+`torch.load(weights_only=True)`. A file holding anything else (a pickle that would import or call code)
+is refused unread.
+
+It is written to a hidden temporary file in the same folder (`.step_XXXXXXXX.pt.tmp.<pid>`), flushed to
+disk, then renamed over the final name. A failed write (disk full, quota, I/O error) removes the
+temporary file and raises `WriteFailed`; older checkpoints are deleted only after the new one is in
+place. A writer killed mid-write leaves only its temporary file, which the next run removes
+(job.rundir).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import re
+import warnings
 from pathlib import Path
 
 import torch
 
 from job.errors import UsageError
+from job.rundir import free_space, temp_path
 
 log = logging.getLogger("job")
 PATTERN = re.compile(r"^step_(\d{8})\.pt$")
@@ -53,13 +62,40 @@ def set_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state_all(states)
 
 
+class WriteFailed(Exception):
+    """A checkpoint could not be written; the checkpoints already on disk are intact."""
+
+
+class _Recorder:
+    """The file torch.save writes into: keeps the OSError that torch turns into a vague RuntimeError."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save(folder: Path, step: int, state: dict, *, keep: int) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
     final = path_for(folder, step)
-    tmp = folder / f".{final.name}.tmp.{os.getpid()}"
+    tmp = temp_path(final)
     try:
+        folder.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT_VERSION, **state}, f)
+            out = _Recorder(f)
+            try:
+                torch.save({"format": FORMAT_VERSION, **state}, out)
+            except RuntimeError:
+                if out.error is None:
+                    raise
+                raise out.error from None
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
@@ -68,21 +104,40 @@ def save(folder: Path, step: int, state: dict, *, keep: int) -> Path:
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+    except OSError as e:
+        raise WriteFailed(
+            f"checkpoint {final} was not written ({e.strerror or e}; {free_space(folder)} free there)"
+        ) from None
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
     for old in list_checkpoints(folder)[:-keep]:
         old.unlink(missing_ok=True)
     return final
 
 
+def step_of(path: Path) -> int | None:
+    m = PATTERN.match(path.name)
+    return int(m.group(1)) if m else None
+
+
 def load(path: Path) -> dict:
-    """Read a checkpoint on the CPU; a file that is not one of ours is a UsageError, not a traceback."""
+    """Read a checkpoint on the CPU, tensors and plain data only; anything else is a UsageError."""
     if not path.is_file():
         raise UsageError(f"checkpoint {path} does not exist; give an existing file or train.resume=auto|never")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
+        with warnings.catch_warnings():  # torch warns about pickle protocols before refusing
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
+        if "Weights only load failed" in str(e):
+            raise UsageError(
+                f"checkpoint {path} holds Python objects other than tensors and plain data ({_unsafe_detail(e)}) "
+                "and was not loaded: unpickling it could run code. Resume from a checkpoint this job wrote, "
+                "or set train.resume=never"
+            ) from None
         raise UsageError(
             f"checkpoint {path} is corrupt or not a checkpoint ({type(e).__name__}); delete it to resume from "
             "an earlier one, or set train.resume=never"
@@ -92,7 +147,55 @@ def load(path: Path) -> dict:
             f"checkpoint {path} is not a format-{FORMAT_VERSION} training checkpoint; use one written by "
             "this version, or set train.resume=never"
         )
+    for key in ("step", "data_position"):
+        if not isinstance(state.get(key), int) or isinstance(state.get(key), bool) or state[key] < 0:
+            raise UsageError(
+                f"checkpoint {path} has no valid `{key}` (found {state.get(key)!r}); it is not a complete "
+                "training checkpoint: delete it to resume from an earlier one, or set train.resume=never"
+            )
     return state
+
+
+def _unsafe_detail(e: Exception) -> str:
+    """The line of torch's weights-only refusal that says what was found (e.g. `GLOBAL posix.system`)."""
+    for line in str(e).splitlines():
+        line = line.strip()
+        if line and not line.startswith(("Weights only load failed", "Please file", "Check the documentation",
+                                          "WeightsUnpickler error")):
+            return line.rstrip(".")
+    return "not a weights-only file"
+
+
+def check_fits(state: dict, path: Path, cfg) -> None:
+    """Refuse a checkpoint that would poison this run: another optimizer, or non-finite weights."""
+    want = cfg.train.optimizer
+    saved = (state.get("config") or {}).get("train", {}).get("optimizer") or _optimizer_kind(state.get("optimizer"))
+    if saved and saved != want:
+        raise UsageError(
+            f"checkpoint {path} holds {saved} optimizer state but train.optimizer={want}; resume with "
+            f"train.optimizer={saved}, or start over with another train.run_id or train.resume=never"
+        )
+    for name, tensor in (state.get("model") or {}).items():
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            bad = "nan" if torch.isnan(tensor).any() else "inf"
+            raise UsageError(
+                f"checkpoint {path} holds non-finite weights ({bad} in `{name}`); delete it to resume from an "
+                "earlier checkpoint, or set train.resume=never"
+            )
+    scale = (state.get("scaler") or {}).get("scale")
+    if isinstance(scale, float) and not math.isfinite(scale):
+        raise UsageError(f"checkpoint {path} holds a non-finite fp16 loss scale ({scale}); delete it to resume "
+                         "from an earlier checkpoint, or set train.resume=never")
+
+
+def _optimizer_kind(sd) -> str | None:
+    """sgd/adamw from the state's keys, for checkpoints that carry no config."""
+    for per_param in ((sd or {}).get("state") or {}).values():
+        if "exp_avg" in per_param:
+            return "adamw"
+        if "momentum_buffer" in per_param:
+            return "sgd"
+    return None
 
 
 def find_resume(resume: str, folder: Path) -> Path | None:

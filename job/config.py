@@ -11,6 +11,7 @@ loading a preset. Everything else is an OmegaConf dotlist override, checked agai
 from __future__ import annotations
 
 import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,27 +65,28 @@ class WorkloadCfg:
     seq_len: int = 1024
     """lm: tokens per sample."""
     dropout: float = 0.0
-    """lm: dropout probability."""
+    """lm: dropout probability, 0 <= p < 1."""
 
 
 @dataclass
 class TrainCfg:
     steps: int = 200
-    """Optimizer steps to run in total (a resumed run continues up to this count)."""
+    """Optimizer steps to run in total, 1 to 99,999,999 (a resumed run continues up to this count; one
+    whose checkpoint is at or past it has nothing to do, exits 0 and is left untouched)."""
     batch_size: int = 64
-    """Global batch per optimizer step, over all cards and micro-steps."""
+    """Global batch per optimizer step, over all cards and micro-steps (1 to 1,048,576)."""
     accum_steps: int = 1
     """Micro-batches accumulated per optimizer step (DDP all-reduces only on the last)."""
     optimizer: str = "sgd"
-    """sgd | adamw."""
+    """sgd | adamw (a checkpoint written with the other one is refused on resume)."""
     lr: float = 0.05
-    """Learning rate (constant after warmup_steps of linear warm-up)."""
+    """Learning rate, above 0 and at most 100 (constant after warmup_steps of linear warm-up)."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up steps."""
     momentum: float = 0.9
-    """sgd momentum."""
+    """sgd momentum, 0 <= m < 1."""
     weight_decay: float = 0.0
-    """Weight decay (decoupled for adamw)."""
+    """Weight decay (decoupled for adamw), at least 0, with lr x weight_decay below 1."""
     grad_clip: float = 0.0
     """Clip gradients to this global L2 norm, as one process would, for every strategy (0: off)."""
     amp: str = "off"
@@ -98,17 +100,20 @@ class TrainCfg:
     cudnn_benchmark: bool = True
     """Let cuDNN autotune convolutions (dp/balanced turn it off: see their log line)."""
     seed: int = 0
-    """Seed for weights and synthetic data."""
+    """Seed for weights and synthetic data, 0 to 4,294,967,295."""
     device: str = "auto"
     """auto (all visible GPUs, else CPU) | cuda | cpu."""
     run_dir: str = "runs"
     """Parent folder of run directories."""
     run_id: str = ""
-    """Run directory name under run_dir; empty: a new timestamped id. Reuse an id to resume."""
+    """Run directory name under run_dir; empty: a new timestamped id. Reuse an id to resume; while a run
+    holds its id (a lock in its directory, freed when it ends, even by kill -9), a second one is refused."""
     resume: str = "auto"
-    """auto (latest checkpoint of this run id, if any) | never | path to a checkpoint file."""
+    """auto (latest checkpoint of this run id, if any) | never | path to a checkpoint file. Chosen by
+    rank 0 for every rank; loaded as tensors and plain data only (a file holding other objects is refused)."""
     checkpoint_every: int = 100
-    """Write a checkpoint every N steps (0: only at the end and on interruption)."""
+    """Write a checkpoint every N steps (0: only at the end and on interruption). A write that fails
+    (disk full) stops the run: exit 75 if an earlier checkpoint is kept, else 1."""
     keep_checkpoints: int = 2
     """Checkpoints kept in the run directory (oldest deleted first; at least 1)."""
     log_every: int = 20
@@ -122,9 +127,10 @@ class DataCfg:
     kind: str = "synthetic"
     """synthetic (deterministic random data, resident on the device) | imagefolder."""
     path: str = ""
-    """imagefolder: root folder with one sub-folder per class."""
+    """imagefolder: root folder with one sub-folder per class, each holding at least one image (checked
+    at start); a file that does not decode stops the run with a line naming it, exit 2."""
     workers: int = 0
-    """imagefolder: DataLoader worker processes."""
+    """imagefolder: DataLoader worker processes (0 to 256)."""
     prefetch: bool = False
     """Copy the next batch to the GPU on a side CUDA stream while the current one computes."""
     synthetic_pool: int = 64
@@ -256,6 +262,39 @@ class Config:
     submit: SubmitCfg = field(default_factory=SubmitCfg)
     bench: BenchCfg = field(default_factory=BenchCfg)
 
+
+# Bounds a user does not reach on purpose: a value outside is a typo (an extra zero, a sign) that would
+# otherwise fail deep in the run, or train on garbage. Each refusal names the range.
+MAX_STEPS = 99_999_999  # checkpoint files are named step_XXXXXXXX.pt: 8 digits
+LIMITS: dict[str, tuple[int, int]] = {
+    "train.steps": (1, MAX_STEPS),
+    "train.batch_size": (1, 2**20),
+    "train.accum_steps": (1, 2**20),
+    "train.warmup_steps": (0, MAX_STEPS),
+    "train.checkpoint_every": (0, MAX_STEPS),
+    "train.keep_checkpoints": (1, 1000),
+    "train.log_every": (1, MAX_STEPS),
+    "train.timing_warmup": (-1, MAX_STEPS),
+    "train.seed": (0, 2**32 - 1),
+    "workload.image_size": (8, 8192),
+    "workload.num_classes": (1, 2**24),
+    "workload.width": (1, 4096),
+    "workload.layers": (1, 1024),
+    "workload.d_model": (1, 65536),
+    "workload.heads": (1, 1024),
+    "workload.vocab": (2, 2**24),
+    "workload.seq_len": (1, 2**20),
+    "strategy.nprocs": (0, 1024),
+    "strategy.check_replicas_every": (0, MAX_STEPS),
+    "data.workers": (0, 256),
+    "data.synthetic_pool": (1, 2**20),
+    "telemetry.log_every": (0, MAX_STEPS),
+    "telemetry.stall_s": (0, 10**7),
+}
+WHY = {
+    "train.steps": " (checkpoint files hold the step in 8 digits)",
+    "train.seed": " (a 32-bit seed)",
+}
 
 CHOICES = {
     "train.optimizer": ("sgd", "adamw"),
@@ -448,21 +487,11 @@ def validate(cfg) -> None:
             f"unknown workload `{cfg.workload.name}`; choose one of: {', '.join(_workload_names())}"
         )
     t = cfg.train
-    positive = {
-        "train.steps": t.steps, "train.batch_size": t.batch_size, "train.accum_steps": t.accum_steps,
-        "train.log_every": t.log_every, "train.keep_checkpoints": t.keep_checkpoints,
-        "data.synthetic_pool": cfg.data.synthetic_pool,
-    }
-    for key, value in positive.items():
-        if value < 1:
-            raise UsageError(f"`{key}={value}` must be at least 1")
-    for key, value in {"train.checkpoint_every": t.checkpoint_every, "train.warmup_steps": t.warmup_steps,
-                       "strategy.nprocs": cfg.strategy.nprocs, "data.workers": cfg.data.workers,
-                       "strategy.check_replicas_every": cfg.strategy.check_replicas_every,
-                       "telemetry.log_every": cfg.telemetry.log_every,
-                       "telemetry.stall_s": cfg.telemetry.stall_s}.items():
-        if value < 0:
-            raise UsageError(f"`{key}={value}` must not be negative")
+    for key, (low, high) in LIMITS.items():
+        value = OmegaConf.select(cfg, key)
+        if not low <= value <= high:
+            raise UsageError(f"`{key}={value}` is out of range{WHY.get(key, '')}; use {low:,} to {high:,}")
+    _check_floats(cfg)
     if not (0 <= t.grad_clip < float("inf")):
         raise UsageError(f"`train.grad_clip={t.grad_clip}` must be a finite norm >= 0 (0: no clipping)")
     m = cfg.memory
@@ -490,6 +519,36 @@ def validate(cfg) -> None:
             )
     if t.run_id and (os.sep in t.run_id or t.run_id in (".", "..")):
         raise UsageError(f"train.run_id `{t.run_id}` must be a plain name, not a path")
+
+
+def _check_floats(cfg) -> None:
+    """NaN, inf and out-of-range rates: they would poison the weights at the first step."""
+    t, w = cfg.train, cfg.workload
+    floats = {"train.lr": t.lr, "train.momentum": t.momentum, "train.weight_decay": t.weight_decay,
+              "workload.dropout": w.dropout}
+    for key, value in floats.items():
+        if not math.isfinite(value):
+            raise UsageError(f"`{key}={value}` is not a finite number; {FLOAT_RANGES[key]}")
+    if not 0 < t.lr <= 100:
+        raise UsageError(f"`train.lr={t.lr}` is out of range; {FLOAT_RANGES['train.lr']}")
+    if not 0 <= t.momentum < 1:
+        raise UsageError(f"`train.momentum={t.momentum}` is out of range; {FLOAT_RANGES['train.momentum']}")
+    if not 0 <= w.dropout < 1:
+        raise UsageError(f"`workload.dropout={w.dropout}` is out of range; {FLOAT_RANGES['workload.dropout']}")
+    if t.weight_decay < 0 or t.lr * t.weight_decay >= 1:
+        raise UsageError(
+            f"`train.weight_decay={t.weight_decay}` with train.lr={t.lr}: {FLOAT_RANGES['train.weight_decay']} "
+            f"(here lr x weight_decay = {t.lr * t.weight_decay:g})"
+        )
+
+
+FLOAT_RANGES = {
+    "train.lr": "give a learning rate above 0 and at most 100, e.g. 0.05",
+    "train.momentum": "give a value from 0 up to (not including) 1, e.g. 0.9",
+    "train.weight_decay": "weight decay must be at least 0 and lr x weight_decay below 1 (each step scales "
+                          "the weights by 1 - lr x weight_decay)",
+    "workload.dropout": "give a probability from 0 up to (not including) 1",
+}
 
 
 def help_text() -> str:

@@ -8,14 +8,23 @@ samples consumed (`sample_position`).
 - synthetic: a pool of `data.synthetic_pool` random samples made once from the seed, kept on the
   device, and indexed by sample id; no host work per step, so it never limits GPU throughput.
 - imagefolder: torchvision ImageFolder, a fresh seeded permutation per epoch, DataLoader workers.
+  Broken data is bad input, reported in one line naming the folder or file: a root without class
+  folders, a class folder without images, more classes than workload.num_classes (checked before the
+  run starts), and a file that does not decode (when it is read: the first batch is read before the
+  run writes anything; later ones stop the run).
 """
 
 from __future__ import annotations
 
+import itertools
+import os
+import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
+from job.errors import UsageError
 from job.models import Workload
 
 
@@ -60,6 +69,66 @@ class SyntheticData:
         return self.x.index_select(0, idx), self.y.index_select(0, idx)
 
 
+class BadImage(UsageError):
+    """A data file that does not decode; one line naming it.
+
+    Raised in a DataLoader worker, it reaches the main process rebuilt from a message holding the
+    worker's traceback; the constructor keeps only the line that names the file.
+    """
+
+    def __init__(self, message: str):
+        text = str(message)
+        if "Original Traceback" in text:
+            found = re.findall(r"BadImage: (.+)", text)
+            text = found[-1].strip() if found else text.strip().splitlines()[-1]
+        super().__init__(text)
+
+
+def load_image(path: str):
+    """torchvision's default loader, with a decode failure turned into one line naming the file."""
+    from PIL import Image
+
+    try:
+        with open(path, "rb") as f:
+            return Image.open(f).convert("RGB")
+    except Exception as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise BadImage(f"cannot read image {path} ({reason}); fix or remove the file") from None
+
+
+def check_imagefolder(path: str, *, num_classes: int) -> None:
+    """An ImageFolder root with a class folder per class, each with at least one image: else UsageError.
+
+    Cheap on big datasets: it stops at the first image of each class. (Whether every file decodes is
+    found when it is read.)"""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    root = Path(path)
+    try:
+        classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
+    except OSError as e:
+        raise UsageError(f"cannot read data.path {root} ({e.strerror}); point data.path at an ImageFolder "
+                         "root (one sub-folder per class)") from None
+    if not classes:
+        raise UsageError(f"data.path {root} holds no class folders; an ImageFolder root has one sub-folder "
+                         f"per class with the images inside (e.g. {root / 'cat' / '0001.jpg'})")
+    empty = [c for c in classes if not _has_image(root / c, IMG_EXTENSIONS)]
+    if empty:
+        shown = ", ".join(str(root / c) for c in empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
+        raise UsageError(f"data.path: class folder {shown} holds no images ({' '.join(IMG_EXTENSIONS)}); add "
+                         "images or remove the folder (every sub-folder of data.path is a class)")
+    if len(classes) > num_classes:
+        raise UsageError(f"data.path {root} has {len(classes)} class folders but workload.num_classes="
+                         f"{num_classes}; set workload.num_classes={len(classes)}")
+
+
+def _has_image(folder: Path, extensions: tuple[str, ...]) -> bool:
+    for _dirpath, _dirs, files in os.walk(folder, followlinks=True):
+        if any(f.lower().endswith(extensions) for f in files):
+            return True
+    return False
+
+
 class ImageFolderData:
     def __init__(self, wcfg, *, path: str, seed: int):
         from torchvision import datasets, transforms
@@ -71,7 +140,10 @@ class ImageFolderData:
             transforms.ToTensor(),
             transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
         ])
-        self.dataset = datasets.ImageFolder(path, transform=tf)
+        try:
+            self.dataset = datasets.ImageFolder(path, transform=tf, loader=load_image)
+        except FileNotFoundError as e:  # checked on rank 0 at start; here if the folder changed since
+            raise UsageError(f"data.path {path}: {e}") from None
         self.seed = seed
 
     def ids_to_indices(self, ids: range) -> list[int]:
@@ -125,6 +197,8 @@ def batches(spec: Workload, wcfg, dcfg, *, micro_batch: int, start: int, offset:
         persistent_workers=dcfg.workers > 0,
     )
     it = iter(loader)
+    # The first batch now, so a file that does not decode is refused before the run writes anything.
+    it = itertools.chain([next(it)], it)
     if dcfg.prefetch and device.type == "cuda":
         return CudaPrefetcher(it, device, channels_last)
     return ((_format(x.to(device, non_blocking=True), channels_last), y.to(device, non_blocking=True))

@@ -13,11 +13,8 @@ EXIT_INTERRUPTED = 75
 
 
 class UsageError(Exception):
-    """Bad input the user can fix; printed as one line, exit code 2.
+    """Bad input the user can fix; printed as one line, exit code 2."""
 
-    `quiet=True`: another rank reports the same refusal (a decision every rank makes together, such as the
-    memory plan's), so this process exits 2 without printing it a second time."""
 
-    def __init__(self, message: str = "", *, quiet: bool = False):
-        super().__init__(message)
-        self.quiet = quiet
+class PeerUsageError(UsageError):
+    """The refusal rank 0 reached and printed, seen by another rank: it exits 2 without printing it again."""

@@ -295,12 +295,12 @@ def read_cache(run_dir: Path | None, key: dict, cards: list[CardPlan]) -> Plan |
 def write_cache(run_dir: Path | None, plan: Plan) -> None:
     if run_dir is None:
         return
+    from job.rundir import write_atomic
+
     run_dir = Path(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        tmp = run_dir / (CACHE_NAME + ".tmp")
-        tmp.write_text(json.dumps(plan.to_json(), indent=2) + "\n")
-        tmp.replace(run_dir / CACHE_NAME)
+        write_atomic(run_dir / CACHE_NAME, json.dumps(plan.to_json(), indent=2) + "\n")
     except OSError as e:  # the plan still holds for this run; only the reuse on resume is lost
         log.warning("memory plan: cannot write %s (%s); a resumed run will plan again", run_dir / CACHE_NAME,
                     e.strerror or e)

@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 
 from job import checkpoint as ckpt
-from job import launch, memplan, report
+from job import launch, memplan, report, rundir
 from job.config import summary
 from job.data import probe_batch
-from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
+from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
 from job.models import WORKLOADS, human, param_count
 from job.strategies import REGISTRY
 from job.strategies import build as build_strategy
@@ -162,17 +162,20 @@ class Trainer:
         self._saved_step = -1
         # Weights are restored before the strategy wraps or replicates the model, the optimizer after
         # (its shape may depend on the strategy), RNG last.
-        resume_path = ckpt.find_resume(t.resume, self.ckpt_dir)
-        state = ckpt.load(resume_path) if resume_path else None
-        if state is not None:
-            ckpt.restore_model(self.model, state, resume_path, w.name)
+        state, resume_path = self._startup_checks()
+        self.resumed = resume_path is not None
         self.strategy.setup(self.model, self.spec.loss, compile=t.compile)
         self.optimizer = self.strategy.build_optimizer(self._optimizer)
         if state is not None:
             self._resume(state, resume_path)
         else:  # per-rank stream for dropout etc.; a resumed run restores its own
             torch.manual_seed(t.seed + 1 + env.rank)
-        self.plan = self._plan_memory()
+        try:
+            self.plan = self._plan_memory()
+        except UsageError:  # no split fits: refused like any bad input, the run directory untouched
+            if self.rundir is not None:
+                self.rundir.refused()
+            raise
         self.batches = _batches(self)
         self.clock = _Clock()
         report.card_rows(self.devices, rank=env.rank)  # NVML start-up and card mapping, before any timing
@@ -251,6 +254,39 @@ class Trainer:
             ) from None
         return tel
 
+    def _startup_checks(self) -> tuple[dict | None, Path | None]:
+        """Rank 0 takes the run's lock, picks the checkpoint to resume and checks it and the data; every
+        rank gets its verdict: one refusal printed once, and the same checkpoint loaded everywhere (ranks
+        searching on their own could pick different ones). Nothing is written here: a refused command
+        leaves an existing run as it was."""
+        self.rundir = rundir.RunDir(self.run_dir) if self.is_main else None
+        state, verdict = None, {"error": None, "path": None}
+        if self.is_main:
+            try:
+                self.rundir.acquire()
+                path = ckpt.find_resume(self.cfg.train.resume, self.ckpt_dir)
+                if path is not None:
+                    state = ckpt.load(path)
+                    ckpt.check_fits(state, path, self.cfg)
+                    ckpt.restore_model(self.model, state, path, self.cfg.workload.name)
+                    verdict["path"] = str(path.absolute())  # ranks may run in other directories
+                if self.cfg.data.kind == "imagefolder":
+                    from job.data import check_imagefolder
+
+                    check_imagefolder(self.cfg.data.path, num_classes=self.cfg.workload.num_classes)
+            except UsageError as e:
+                verdict["error"] = str(e)
+                self.rundir.refused()
+        verdict = self.strategy.all_gather_object(verdict)[0]
+        if verdict["error"]:
+            launch.destroy_group()  # every rank is here: a clean exit, not an abort
+            raise (UsageError if self.is_main else PeerUsageError)(verdict["error"])
+        path = Path(verdict["path"]) if verdict["path"] else None
+        if path is not None and not self.is_main:
+            state = ckpt.load(path)
+            ckpt.restore_model(self.model, state, path, self.cfg.workload.name)
+        return state, path
+
     def _resume(self, state: dict, path: Path) -> None:
         try:
             self.strategy.load_optimizer_state_dict(self.optimizer, state["optimizer"])
@@ -275,32 +311,34 @@ class Trainer:
         else:
             torch.manual_seed(self.cfg.train.seed + 1 + self.env.rank + self.step)
         log.info("resumed from %s at step %d (sample %d)", path, self.step, self.sample_position)
-        if self.strategy.is_main:
-            _truncate_metrics(self.run_dir / "metrics.jsonl", self.step)
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self) -> int:
         cfg, t = self.cfg, self.cfg.train
-        if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.step >= t.steps:  # before any write: the finished run stays as it was
+            log.info("run %s already finished: its checkpoint is at step %d, train.steps=%d; nothing to do",
+                     self.run_id, self.step, t.steps)
+            return EXIT_OK
+        if self.is_main:  # the first write into the run directory: every check has passed
             from omegaconf import OmegaConf
 
-            (self.run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg))
+            self.rundir.start_writing(resumed_step=self.step if self.resumed else None)
+            self.rundir.write_text("config.yaml", OmegaConf.to_yaml(cfg))
         self.strategy.barrier()
         log.info("run %s: %s on %s, %s params, global batch %d (%d x %d micro-steps), %d steps -> %s",
                  self.run_id, cfg.strategy.name, _where(self.devices, self.env.world_size),
                  human(param_count(self.model)), t.batch_size, self.micro_batch, t.accum_steps, t.steps,
                  self.run_dir)
-        if self.step >= t.steps:
-            log.info("run %s already finished %d of %d steps; nothing to do", self.run_id, self.step, t.steps)
-            return EXIT_OK
 
         handlers = _install_signal_handlers()
         try:
-            stopped = self._loop()
-        finally:
-            _restore_signal_handlers(handlers)
-        self.save_checkpoint()
+            try:
+                stopped = self._loop()
+            finally:
+                _restore_signal_handlers(handlers)
+            self.save_checkpoint()
+        except ckpt.WriteFailed as e:
+            return self._checkpoint_lost(e)
         if stopped:
             log.warning("stopped at step %d; checkpoint written; exit %d", self.step, EXIT_INTERRUPTED)
             return EXIT_INTERRUPTED
@@ -402,13 +440,14 @@ class Trainer:
             log.info("%s", report.card_line(self.step, rows))
         record = {"step": self.step, "loss": loss, "samples_per_s": rate, f"{unit}_per_s": rate * k,
                   "time": time.time(), "cards": rows}
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+        self.rundir.append_line("metrics.jsonl", json.dumps(record))
 
     def save_checkpoint(self) -> None:
+        """Rank 0 writes; every rank learns whether it could (ckpt.WriteFailed on all ranks if not)."""
         if self._saved_step == self.step:  # a stop right after a periodic checkpoint: nothing new
             return
         rngs = self.strategy.all_gather_object(ckpt.rng_state())
+        failed = None
         if self.is_main:
             from omegaconf import OmegaConf
 
@@ -423,10 +462,33 @@ class Trainer:
                 "world_size": self.env.world_size,
                 "config": OmegaConf.to_container(self.cfg),
             }
-            path = ckpt.save(self.ckpt_dir, self.step, state, keep=self.cfg.train.keep_checkpoints)
-            log.info("checkpoint %s", path)
-        self.strategy.barrier()
+            try:
+                path = ckpt.save(self.ckpt_dir, self.step, state, keep=self.cfg.train.keep_checkpoints)
+                log.info("checkpoint %s", path)
+            except ckpt.WriteFailed as e:
+                failed = str(e)
+        failed = self.strategy.all_gather_object(failed)[0]  # also the barrier: all ranks wait for the write
+        if failed:
+            raise ckpt.WriteFailed(failed)
         self._saved_step = self.step
+
+    def _checkpoint_lost(self, e: Exception) -> int:
+        """A checkpoint write failed (disk full...): stop, and say what is kept and what is lost.
+
+        75 (try again) when an earlier checkpoint of this run exists: the same command resumes from it
+        once there is space; 1 when there is none, as every step trained so far is lost."""
+        kept = ckpt.list_checkpoints(self.ckpt_dir)
+        if kept:
+            since = ckpt.step_of(kept[-1])
+            if self.is_main:
+                log.error("error: %s; the run stopped at step %d and resumes from %s: steps %d-%d will be "
+                          "trained again. Free space, then run the same command; exit %d", e, self.step,
+                          kept[-1], since + 1, self.step, EXIT_INTERRUPTED)
+            return EXIT_INTERRUPTED
+        if self.is_main:
+            log.error("error: %s; no checkpoint of this run was kept, so the %d steps trained are lost. Free "
+                      "space and start again; exit 1", e, self.step)
+        return 1
 
     def _finish(self) -> None:
         self._sync()
@@ -444,7 +506,7 @@ class Trainer:
             "peak_window": [self.clock.start_step, self.step],  # peaks: steps after start_step up to here
             "cards": rows,
         }
-        (self.run_dir / "summary.json").write_text(json.dumps(summary_doc, indent=2) + "\n")
+        self.rundir.write_text("summary.json", json.dumps(summary_doc, indent=2) + "\n")
         title = (f"per-card memory: {self.cfg.strategy.name}, {self.cfg.workload.name}, global batch "
                  f"{t.batch_size}, {self.step} steps (run {self.run_id})")
         if self.clock.start_step:  # peaks were reset when timing started
@@ -520,16 +582,6 @@ def _plan_key(cfg, world_size: int, micro_batch: int) -> dict:
             "activation_checkpointing": t.activation_checkpointing, "channels_last": t.channels_last,
             "compile": t.compile, "optimizer": t.optimizer, "momentum": t.momentum,
             "margin_gb": cfg.memory.margin_gb, "cap_gb": list(cfg.memory.cap_gb)}
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records of steps after the checkpoint (a killed run logged steps that will be redone)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
-    tmp.replace(path)
 
 
 def _where(devices: list[torch.device], world: int) -> str:

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from job import memplan
-from job.errors import UsageError
+from job.errors import PeerUsageError, UsageError
 from job.strategies.base import Strategy, parse_mode
 
 
@@ -89,7 +89,7 @@ class DDPStrategy(Strategy):
                     memplan.auto_plan(plan, {self.rank: probe_upto}, exchange, minimum=self.min_share,
                                       accum_steps=ctx.accum_steps, options=memplan.OPTIONS)
                 except UsageError as e:  # every rank refuses the same plan: rank 0 says it
-                    raise UsageError(str(e), quiet=self.rank != 0) from None
+                    raise (PeerUsageError if self.rank else UsageError)(str(e)) from None
         else:
             sizes = self.mode if isinstance(self.mode, list) else memplan.even_split(ctx.micro_batch, self.world_size)
             plan.mode = "even" if self.mode in ("auto", "even") else "explicit"

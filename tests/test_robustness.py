@@ -1,0 +1,461 @@
+"""State on disk and bad input, through the real entry point on CPU: planted pickles, a full disk, kill -9
+mid-write, two runs with one run id, refused inputs that must leave a run byte-identical, broken image
+folders, and the resume choice shared by two gloo ranks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import IN_CI, ROOT, job_cmd
+
+from job.checkpoint import PATTERN
+from job.rundir import TEMP
+
+SMALL = ["workload=tiny", "workload.width=8", "workload.image_size=16", "train.device=cpu", "train.log_every=5"]
+TEMP_GLOB = ".*.tmp.*"
+
+
+def train(tmp: Path, run_id: str, *args: str, env=None, cwd=ROOT, timeout=240) -> subprocess.CompletedProcess:
+    cmd = job_cmd("train", *SMALL, f"train.run_dir={tmp}", f"train.run_id={run_id}", *args)
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def start(tmp: Path, run_id: str, *args: str) -> subprocess.Popen:
+    cmd = job_cmd("train", *SMALL, f"train.run_dir={tmp}", f"train.run_id={run_id}", *args)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file and folder under `folder` (hidden ones too) with its content's hash."""
+    out = {}
+    for p in sorted(folder.rglob("*")):
+        rel = str(p.relative_to(folder))
+        out[rel] = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else "dir"
+    return out
+
+
+def one_error(stderr: str) -> str:
+    """The refusal: exactly one `error:` line and no traceback."""
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stderr
+    return errors[0]
+
+
+def checkpoints(run: Path) -> list[Path]:
+    return sorted((run / "checkpoints").glob("step_*.pt"))
+
+
+def metric_steps(run: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def wait_for_step(run: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (run / "metrics.jsonl").exists() and (metric_steps(run) or [0])[-1] >= step:
+            return
+        assert proc.poll() is None, f"trainer exited ({proc.returncode}) before step {step}: {proc.stderr.read()}"
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError(f"step {step} not reached")
+
+
+# -- planted pickle ---------------------------------------------------------------------------------------
+class _Plant:
+    """Unpickling this runs `touch <marker>`."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("kind", ["torch-zip", "raw-pickle"])
+def test_planted_pickle_runs_no_code(tmp_path, kind):
+    assert train(tmp_path, "p", "strategy=dp", "train.steps=2").returncode == 0
+    ck = checkpoints(tmp_path / "p")[-1]
+    marker = tmp_path / "marker"
+    plant = {"format": 1, "model": _Plant(marker), "step": 2, "data_position": 2}
+    if kind == "torch-zip":
+        torch.save(plant, ck)
+    else:
+        ck.write_bytes(pickle.dumps(plant, protocol=2))
+    # The plant is real: an unsafe load runs it.
+    subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(ck)!r}, weights_only=False)"],
+                   capture_output=True, timeout=120)
+    assert marker.exists(), "the planted checkpoint should run code under weights_only=False"
+    marker.unlink()
+    before = snapshot(tmp_path / "p")
+
+    p = train(tmp_path, "p", "strategy=dp", "train.steps=4")
+    assert p.returncode == 2, p.stderr
+    line = one_error(p.stderr)
+    assert "holds Python objects other than tensors and plain data" in line and str(ck) in line, line
+    assert not marker.exists(), "loading the checkpoint ran code"
+    assert snapshot(tmp_path / "p") == before
+
+
+def test_checkpoints_hold_only_weights_only_data(tmp_path):
+    """What we save loads with weights_only=True: adamw state, RNG states of 2 ranks, the config."""
+    p = train(tmp_path, "w", "strategy=ddp", "strategy.nprocs=2", "train.batch_size=16", "train.steps=2",
+              "train.optimizer=adamw")
+    assert p.returncode == 0, p.stderr
+    state = torch.load(checkpoints(tmp_path / "w")[-1], weights_only=True)
+    assert len(state["rng"]) == 2 and state["config"]["train"]["optimizer"] == "adamw"
+    assert state["optimizer"]["state"]
+
+
+# -- a full disk --------------------------------------------------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MB tmpfs: room for a few tiny checkpoints until `fill` takes the rest."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        if IN_CI:
+            pytest.fail(f"CI must be able to mount a tmpfs (runs as root): {r.stderr.strip()}")
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def fill(mnt: Path) -> None:
+    """Take every byte left (tmpfs hands out whole pages: smaller and smaller writes until none fits)."""
+    with open(mnt / "filler", "ab", buffering=0) as f:
+        for size in (65536, 4096, 1):
+            try:
+                for _ in range(4096):
+                    f.write(b"\0" * size)
+            except OSError:
+                pass
+    assert shutil.disk_usage(mnt).free == 0
+
+
+def no_temp_files(run: Path) -> None:
+    left = [p for folder in (run, run / "checkpoints") if folder.is_dir() for p in folder.glob(TEMP_GLOB)]
+    assert not left, left
+
+
+def test_disk_full_at_a_periodic_checkpoint_keeps_the_last_one(small_disk):
+    run = small_disk / "f"
+    proc = start(small_disk, "f", "strategy=dp", "train.steps=100000", "train.checkpoint_every=10")
+    deadline = time.monotonic() + 180
+    while not (run / "checkpoints" / "step_00000010.pt").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.02)
+    fill(small_disk)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 75, err
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "Traceback" not in err, err
+    assert "No space left on device" in line[0] and "resumes from" in line[0] and "step_00000010.pt" in line[0]
+    assert [p.name for p in checkpoints(run)][-1] == "step_00000010.pt"
+    assert torch.load(checkpoints(run)[-1], weights_only=True)["step"] == 10
+    no_temp_files(run)
+
+    (small_disk / "filler").unlink()  # space again: the same command resumes
+    p = train(small_disk, "f", "strategy=dp", "train.steps=14", "train.checkpoint_every=10")
+    assert p.returncode == 0, p.stderr
+    assert "resumed from" in p.stderr and "step_00000010.pt" in p.stderr
+    steps = metric_steps(run)
+    assert steps == sorted(set(steps)) and steps[-1] == 14, steps  # no record of a lost step remains
+
+
+@pytest.mark.parametrize("earlier", [True, False], ids=["earlier-checkpoint", "no-checkpoint"])
+def test_sigterm_on_a_full_disk(small_disk, earlier):
+    run = small_disk / "s"
+    if earlier:
+        assert train(small_disk, "s", "strategy=dp", "train.steps=4").returncode == 0
+    proc = start(small_disk, "s", "strategy=dp", "train.steps=100000", "train.checkpoint_every=0")
+    wait_for_step(run, 10, proc)
+    fill(small_disk)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    line = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(line) == 1 and "Traceback" not in err, err
+    if earlier:
+        assert proc.returncode == 75, err
+        assert "resumes from" in line[0] and "step_00000004.pt" in line[0] and "trained again" in line[0]
+        assert [p.name for p in checkpoints(run)] == ["step_00000004.pt"]
+    else:
+        assert proc.returncode == 1, err
+        assert "no checkpoint of this run was kept" in line[0] and "lost" in line[0]
+        assert checkpoints(run) == []
+    no_temp_files(run)
+
+
+def test_summary_and_config_writes_on_a_full_disk_do_not_crash(small_disk):
+    """The disk is full from the start (a few KB left): one warning per file, checkpoint failure at the end."""
+    run = small_disk / "c"
+    run.mkdir()
+    fill(small_disk)
+    p = train(small_disk, "c", "strategy=dp", "train.steps=3")
+    assert "Traceback" not in p.stderr, p.stderr
+    assert p.returncode == 1 and "no checkpoint of this run was kept" in p.stderr, p.stderr
+    assert "cannot write" in p.stderr and "config.yaml" in p.stderr
+    assert not (run / "config.yaml").exists() or (run / "config.yaml").read_text().strip()
+    no_temp_files(run)
+
+
+def test_atomic_writes_on_a_full_disk_keep_the_old_file(small_disk):
+    from job.rundir import RunDir
+
+    run = small_disk / "u"
+    run.mkdir()
+    (run / "summary.json").write_text('{"old": true}\n')
+    fill(small_disk)
+    rd = RunDir(run)
+    assert rd.write_text("summary.json", "x" * 100_000) is False
+    assert (run / "summary.json").read_text() == '{"old": true}\n'
+    no_temp_files(run)
+
+
+# -- kill -9 mid-write, and a crashed lock holder -------------------------------------------------------------
+BIG = ["workload=lm", "workload.layers=1", "workload.d_model=64", "workload.heads=2", "workload.vocab=60000",
+       "workload.seq_len=8", "train.batch_size=2", "train.device=cpu", "strategy=dp", "train.log_every=1"]
+
+
+def test_kill_during_a_checkpoint_write_leaves_nothing_after_the_next_start(tmp_path):
+    """A ~46 MB checkpoint every step: the trainer is killed while a temporary file exists."""
+    run = tmp_path / "k"
+    for _attempt in range(3):
+        cmd = job_cmd("train", *BIG, f"train.run_dir={tmp_path}", "train.run_id=k", "train.steps=1000",
+                      "train.checkpoint_every=1")
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        deadline, caught = time.monotonic() + 180, []
+        while time.monotonic() < deadline and proc.poll() is None:
+            if checkpoints(run) and (caught := list((run / "checkpoints").glob(TEMP_GLOB))):
+                proc.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.002)
+        proc.wait(timeout=60)
+        if caught and list((run / "checkpoints").glob(TEMP_GLOB)):
+            break
+    else:
+        pytest.fail("never caught the trainer while it wrote a checkpoint")
+    assert not any(PATTERN.match(p.name) for p in (run / "checkpoints").iterdir() if TEMP.match(p.name))
+    last = checkpoints(run)[-1]
+    step = torch.load(last, weights_only=True)["step"]
+
+    # The next start (the lock of the killed run is gone with it) resumes and removes the leftovers.
+    cmd = job_cmd("train", *BIG, f"train.run_dir={tmp_path}", "train.run_id=k", f"train.steps={step + 1}",
+                  "train.checkpoint_every=0")
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr
+    assert f"resumed from {last}" in p.stderr and "left by a run that died while writing it" in p.stderr
+    no_temp_files(run)
+
+
+# -- one run id, one run ------------------------------------------------------------------------------------
+def test_second_run_with_the_same_id_is_refused(tmp_path):
+    run = tmp_path / "same"
+    first = start(tmp_path, "same", "strategy=dp", "train.steps=100000", "train.checkpoint_every=0")
+    try:
+        wait_for_step(run, 5, first)
+        for extra in (["strategy=dp"], ["strategy=ddp", "strategy.nprocs=2", "train.batch_size=16"]):
+            p = train(tmp_path, "same", *extra, "train.steps=10")
+            assert p.returncode == 2, p.stderr
+            line = one_error(p.stderr)
+            assert "is in use by another run" in line and f"pid {first.pid}" in line, line
+        assert first.poll() is None
+    finally:
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=120)
+    assert first.returncode == 75, err
+    step = torch.load(checkpoints(run)[-1], weights_only=True)["step"]
+    p = train(tmp_path, "same", "strategy=dp", f"train.steps={step + 2}")  # free again: it resumes
+    assert p.returncode == 0 and "resumed from" in p.stderr, p.stderr
+
+
+# -- refused input leaves the run as it was ----------------------------------------------------------------------
+def _busy_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+def test_refused_commands_leave_the_run_byte_identical(tmp_path):
+    assert train(tmp_path, "r", "strategy=dp", "train.steps=6", "train.checkpoint_every=3").returncode == 0
+    run = tmp_path / "r"
+    # What a killed run leaves: a record after the last checkpoint and a dead writer's temporary file.
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"step": 9, "loss": 1.0}) + "\n")
+    (run / "checkpoints" / ".step_00000009.pt.tmp.4242").write_bytes(b"half")
+    nan_run = tmp_path / "n"
+    shutil.copytree(run, nan_run)
+    state = torch.load(checkpoints(nan_run)[-1], weights_only=True)
+    state["model"]["head.weight"][0, 0] = float("nan")
+    torch.save(state, checkpoints(nan_run)[-1])
+    empty = tmp_path / "empty-folder"
+    empty.mkdir()
+    busy = _busy_port()
+    cases = {
+        "lr nan": (["train.lr=nan"], "train.lr=nan"),
+        "lr negative": (["train.lr=-0.1"], "train.lr=-0.1"),
+        "seed": ([f"train.seed={2**32}"], "train.seed"),
+        "steps": (["train.steps=100000000"], "8 digits"),
+        "zero batch": (["train.batch_size=0"], "train.batch_size=0"),
+        "momentum": (["train.momentum=1.5"], "train.momentum=1.5"),
+        "weight decay": (["train.weight_decay=100"], "lr x weight_decay"),
+        "dropout": (["workload.dropout=1"], "workload.dropout"),
+        "absurd width": (["workload.width=100000"], "workload.width"),
+        "optimizer": (["train.optimizer=adamw"], "holds sgd optimizer state but train.optimizer=adamw"),
+        "model shape": (["workload.width=16"], "does not fit this model"),
+        "empty imagefolder": (["data.kind=imagefolder", f"data.path={empty}"], "holds no class folders"),
+        "port in use": ([f"telemetry.port={busy.getsockname()[1]}"], "cannot serve metrics"),
+        "ddp optimizer": (["strategy=ddp", "strategy.nprocs=2", "train.batch_size=16", "train.optimizer=adamw"],
+                          "holds sgd optimizer state"),
+    }
+    try:
+        for runid, folder in (("r", run), ("n", nan_run)):
+            before = snapshot(folder)
+            todo = cases.items() if runid == "r" else [("nan weights", ([], "non-finite weights (nan in `head.weight`)"))]
+            for name, (args, expect) in todo:
+                p = train(tmp_path, runid, "strategy=dp", "train.steps=12", *args)
+                assert p.returncode == 2, (name, p.stderr)
+                assert expect in one_error(p.stderr), (name, p.stderr)
+                assert snapshot(folder) == before, f"{name}: the run directory changed"
+        # A run already at or past train.steps: nothing to do, exit 0, nothing written either.
+        before = snapshot(run)
+        p = train(tmp_path, "r", "strategy=dp", "train.steps=6")
+        assert p.returncode == 0 and "already finished" in p.stderr, p.stderr
+        assert snapshot(run) == before
+    finally:
+        busy.close()
+    # The first accepted command cleans up after the killed run.
+    p = train(tmp_path, "r", "strategy=dp", "train.steps=8")
+    assert p.returncode == 0, p.stderr
+    assert metric_steps(run)[-1] == 8 and 9 not in metric_steps(run)
+    no_temp_files(run)
+
+
+def test_refused_new_run_leaves_no_directory(tmp_path):
+    empty = tmp_path / "data"
+    empty.mkdir()
+    p = train(tmp_path, "fresh", "strategy=dp", "data.kind=imagefolder", f"data.path={empty}")
+    assert p.returncode == 2 and "holds no class folders" in one_error(p.stderr)
+    assert not (tmp_path / "fresh").exists()
+    with _busy_port() as busy:  # refused later, after the lock was taken
+        p = train(tmp_path, "fresh", "strategy=dp", f"telemetry.port={busy.getsockname()[1]}")
+    assert p.returncode == 2 and "cannot serve metrics" in one_error(p.stderr)
+    assert not (tmp_path / "fresh").exists()
+
+
+# -- broken image folders ------------------------------------------------------------------------------------
+def _images(root: Path, classes: dict[str, int]) -> None:
+    from PIL import Image
+
+    for cls, n in classes.items():
+        (root / cls).mkdir(parents=True, exist_ok=True)
+        for i in range(n):
+            Image.new("RGB", (20, 20), (i * 30 % 255, 90, 40)).save(root / cls / f"{i}.png")
+
+
+IMG = ["strategy=dp", "data.kind=imagefolder", "workload.num_classes=2", "train.batch_size=2", "train.log_every=1"]
+
+
+def test_imagefolder_without_classes_or_images_is_refused(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    p = train(tmp_path, "e", *IMG, f"data.path={empty}")
+    assert p.returncode == 2 and f"data.path {empty} holds no class folders" in one_error(p.stderr)
+
+    _images(tmp_path / "half", {"cat": 3})
+    (tmp_path / "half" / "dog").mkdir()
+    (tmp_path / "half" / "dog" / "notes.txt").write_text("no images here")
+    p = train(tmp_path, "h", *IMG, f"data.path={tmp_path / 'half'}")
+    assert p.returncode == 2 and f"class folder {tmp_path / 'half' / 'dog'} holds no images" in one_error(p.stderr)
+
+    # Under two ranks the refusal is printed once.
+    p = train(tmp_path, "h2", *IMG, "strategy=ddp", "strategy.nprocs=2", f"data.path={tmp_path / 'half'}")
+    assert p.returncode == 2 and "holds no images" in one_error(p.stderr)
+
+    _images(tmp_path / "three", {"a": 1, "b": 1, "c": 1})
+    p = train(tmp_path, "t", *IMG, f"data.path={tmp_path / 'three'}")
+    assert p.returncode == 2 and "has 3 class folders but workload.num_classes=2" in one_error(p.stderr)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_undecodable_image_at_start_is_named(tmp_path, workers):
+    _images(tmp_path / "imgs", {"cat": 1, "dog": 1})
+    bad = tmp_path / "imgs" / "cat" / "0.png"
+    bad.write_bytes(b"this is not a png")
+    p = train(tmp_path, "u", *IMG, f"data.path={tmp_path / 'imgs'}", f"data.workers={workers}")
+    assert p.returncode == 2, p.stderr
+    line = one_error(p.stderr)
+    assert f"cannot read image {bad}" in line and "fix or remove the file" in line, line
+    assert not (tmp_path / "u").exists()  # refused before the run wrote anything
+
+
+def test_undecodable_image_mid_run_is_named_and_checkpoints_kept(tmp_path):
+    """A file first read at step 3 (known from the seeded order), from a DataLoader worker."""
+    from job.data import sample_ids
+
+    _images(tmp_path / "imgs", {"cat": 4, "dog": 4})
+    files = sorted((tmp_path / "imgs").rglob("*.png"))  # ImageFolder's order: class, then name
+    perm = torch.randperm(len(files), generator=torch.Generator().manual_seed(0 * 1000003 + 0))
+    first_two = {int(perm[i]) for g in (0, 1) for i in sample_ids(g, 2)}
+    later = next(int(perm[i]) for i in sample_ids(2, 2) if int(perm[i]) not in first_two)
+    bad = files[later]
+    png = bad.read_bytes()
+    bad.write_bytes(png[: len(png) // 2])  # truncated: opens, then fails to decode
+    p = train(tmp_path, "m", *IMG, f"data.path={tmp_path / 'imgs'}", "data.workers=1", "train.steps=6",
+              "train.checkpoint_every=1")
+    assert p.returncode == 2, p.stderr
+    line = one_error(p.stderr)
+    assert f"cannot read image {bad}" in line, line
+    assert [c.name for c in checkpoints(tmp_path / "m")] == ["step_00000001.pt", "step_00000002.pt"]
+
+
+# -- rank agreement on the checkpoint to resume ---------------------------------------------------------------
+def test_ranks_resume_the_checkpoint_rank_0_chose(tmp_path):
+    """Two gloo ranks started as torchrun would, each in its own working directory with a relative
+    train.run_dir: only rank 0's holds the run. Searching on its own, rank 1 would start from step 0 while
+    rank 0 resumes at 4 (the ranks then disagree on the step count); it loads rank 0's choice instead."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    common = [*SMALL, "train.run_dir=runs", "train.run_id=x", "strategy=ddp", "train.batch_size=16"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(job_cmd("train", *common, "strategy.nprocs=2", "train.steps=4"), cwd=a, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, cwd in ((0, a), (1, b)):
+        renv = {**env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(job_cmd("train", *common, "train.steps=8"), cwd=cwd, env=renv,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    try:
+        outs = [pr.communicate(timeout=180) for pr in procs]
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+    assert [pr.returncode for pr in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    assert f"resumed from {a / 'runs' / 'x' / 'checkpoints' / 'step_00000004.pt'}" in outs[0][1]
+    assert not (b / "runs").exists()  # rank 1 wrote nothing of its own
+    assert torch.load(checkpoints(a / "runs" / "x")[-1], weights_only=True)["step"] == 8
