@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C) before training started; nothing was written", file=sys.stderr)
+        return 130
     except _oom_type() as e:
         first = str(e).splitlines()[0] if str(e) else "out of memory"
         print(f"error: {first}; lower train.batch_size, or try train.amp=bf16, "

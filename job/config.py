@@ -36,6 +36,10 @@ class StrategyCfg:
     """ddp: process-group backend: auto (nccl on GPUs, gloo on CPU) | nccl | gloo."""
     find_unused_parameters: bool = False
     """ddp: let DDP tolerate parameters that get no gradient (slower)."""
+    timeout_s: float = 300.0
+    """ddp: seconds a rank waits for the others (rendezvous, every collective, a checkpoint being written)
+    before the job ends with a line naming the rank that did not answer; raise it for checkpoints that take
+    longer to write (docs/failures.md)."""
 
 
 @dataclass
@@ -413,6 +417,8 @@ def validate(cfg) -> None:
                        "telemetry.log_every": cfg.telemetry.log_every}.items():
         if value < 0:
             raise UsageError(f"`{key}={value}` must not be negative")
+    if not 0 < cfg.strategy.timeout_s < 1e6:  # also refuses nan
+        raise UsageError(f"`strategy.timeout_s={cfg.strategy.timeout_s}` must be a number of seconds above 0")
     if not 0 <= cfg.telemetry.port <= 65535:
         raise UsageError(f"`telemetry.port={cfg.telemetry.port}` is not a TCP port; use 1-65535, or 0 for off")
     if t.batch_size % t.accum_steps:
