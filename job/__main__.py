@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
-        print("error: interrupted (Ctrl-C) before training started; nothing was written", file=sys.stderr)
+        print("error: interrupted (Ctrl-C); the last checkpoint written, if any, is kept", file=sys.stderr)
         return 130
     except _oom_type() as e:
         first = str(e).splitlines()[0] if str(e) else "out of memory"

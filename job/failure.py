@@ -72,7 +72,7 @@ def describe(exc: BaseException) -> tuple[str, int]:
         first = _first_line(exc) or "out of memory"
         return f"{first}; {OOM_FIX}", EXIT_CRASH
     if isinstance(exc, KeyboardInterrupt):
-        return "interrupted (Ctrl-C) before training started; nothing was written", EXIT_CTRL_C
+        return "interrupted (Ctrl-C); the last checkpoint written, if any, is kept", EXIT_CTRL_C
     if isinstance(exc, SystemExit):
         code = exc.code if isinstance(exc.code, int) else EXIT_CRASH
         return f"exited with code {code}", code
@@ -132,7 +132,12 @@ def fail(exc: BaseException, *, env, device, timeout_s: float, cleanup=None, log
             pass
     store = _store(env)  # before the abort, which takes this rank's store connection with it
     missing: list[int] = []
-    if not collective:
+    if isinstance(exc, KeyboardInterrupt):  # every rank got it: rank 0 says so
+        if env.rank == 0:
+            _say(f"error: {line}")
+        launch.abort_group()
+        store = None
+    elif not collective:
         _say(f"error: {who(env, device)}: {line}{_traceback_note(exc, env, log_dir)}")
         _tell(store, env, "failed", line)  # before the abort: the peers learn of it when theirs fail
         launch.abort_group()

@@ -56,7 +56,7 @@ def _on_signal(signum, _frame) -> None:
         # The second Ctrl-C: the user does not want to wait for the step and the checkpoint.
         failure.stop_now("second Ctrl-C: stopped at once, without a checkpoint (the last one is kept)")
     if signum == signal.SIGINT and not _stop.is_set():
-        log.warning("Ctrl-C: press it again to stop at once, without a checkpoint")
+        log.info("Ctrl-C: press it again to stop at once, without a checkpoint")
     request_stop(signal.Signals(signum).name, signum)
 
 
@@ -268,9 +268,9 @@ class Trainer:
         handlers = _install_signal_handlers()
         try:
             stopped = self._loop()
+            self.save_checkpoint()  # still ours: a second Ctrl-C during the write leaves at once
         finally:
             _restore_signal_handlers(handlers)
-        self.save_checkpoint()
         if self._nonfinite:
             return self._report_nonfinite()
         if stopped:
@@ -417,9 +417,10 @@ class Trainer:
         if self.is_main:
             kept = ckpt.list_checkpoints(self.ckpt_dir)
             what = f"kept the last finite checkpoint {kept[-1]}" if kept else "no checkpoint was written"
+            amp = " or train.amp=bf16 instead of fp16" if self.cfg.train.amp == "fp16" else ""
             log.error("error: the loss or the weights are no longer finite at step %d (%s); %s; lower train.lr "
-                      "(now %g), add train.warmup_steps or use train.amp=bf16 instead of fp16, then run the same "
-                      "command to resume", self.step, self._nonfinite, what, self.cfg.train.lr)
+                      "(now %g) or add train.warmup_steps%s, then run the same command to resume", self.step,
+                      self._nonfinite, what, self.cfg.train.lr, amp)
         return failure.EXIT_CRASH
 
     def _finish(self) -> None:
