@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(e, PeerUsageError):  # a peer's refusal is printed once, by rank 0
             print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C); the last checkpoint written, if any, is kept", file=sys.stderr)
+        return 130
     except _oom_type() as e:
         first = str(e).splitlines()[0] if str(e) else "out of memory"
         print(f"error: {first}; lower train.batch_size, or try train.amp=bf16, "

@@ -42,6 +42,10 @@ class StrategyCfg:
     0: never)."""
     find_unused_parameters: bool = False
     """ddp: let DDP tolerate parameters that get no gradient (slower)."""
+    timeout_s: float = 300.0
+    """ddp: seconds a rank waits for the others (rendezvous, every collective, a checkpoint being written)
+    before the job ends with a line naming the rank that did not answer; raise it for checkpoints that take
+    longer to write (docs/failures.md)."""
 
 
 @dataclass
@@ -499,6 +503,8 @@ def validate(cfg) -> None:
         raise UsageError(f"`memory.margin_gb={m.margin_gb}` must be between 0 and 10000 (GB kept free per card)")
     if any(not (0 < c < 1e4) for c in m.cap_gb):
         raise UsageError(f"`memory.cap_gb={list(m.cap_gb)}` must hold GB per card, each above 0; [] for no cap")
+    if not 0 < cfg.strategy.timeout_s < 1e6:  # also refuses nan
+        raise UsageError(f"`strategy.timeout_s={cfg.strategy.timeout_s}` must be a number of seconds above 0")
     if not 0 <= cfg.telemetry.port <= 65535:
         raise UsageError(f"`telemetry.port={cfg.telemetry.port}` is not a TCP port; use 1-65535, or 0 for off")
     if t.batch_size % t.accum_steps:

@@ -5,10 +5,17 @@
 - Run as a plain command: `spawn` re-runs `python -m job train` once per rank with those variables set
   (the resolved config passed as a file, so every rank sees the same run id), forwards SIGTERM/SIGINT/
   SIGUSR1/SIGUSR2 to the ranks and returns the worst exit code.
+
+Failure (docs/failures.md): the ranks of a spawned job run in their own session (a terminal's Ctrl-C reaches
+the launcher once, which forwards it once) and die with the launcher (PR_SET_PDEATHSIG, plus each rank
+watching its parent); when one rank fails the launcher gives the others a few seconds to leave on their own,
+then kills them. A rank's error path never runs a collective: `abort_group` tears the group down locally.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import signal
@@ -16,6 +23,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -23,6 +32,11 @@ from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
 
 log = logging.getLogger("job")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+# After one rank fails: how long the others get to notice and leave by themselves (their own line, their own
+# exit code) before the launcher kills them. A rank that lost a peer leaves in well under a second on gloo.
+FAIL_GRACE_S = 5.0
+# How long MASTER_ADDR may take to resolve before the launch is refused.
+RESOLVE_TIMEOUT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -38,15 +52,60 @@ def dist_env(environ=os.environ) -> DistEnv | None:
         return None
     try:
         rank, world = int(environ["RANK"]), int(environ["WORLD_SIZE"])
-        local = int(environ.get("LOCAL_RANK", rank))
+        local = _local_rank(environ, rank, world)
     except ValueError:
-        raise UsageError("RANK/WORLD_SIZE/LOCAL_RANK must be integers (set by torchrun or Slurm)") from None
+        raise UsageError("RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE must be integers (set by torchrun or "
+                         "Slurm)") from None
     if not 0 <= rank < world:
         raise UsageError(f"RANK={rank} is outside WORLD_SIZE={world}")
     for key in ("MASTER_ADDR", "MASTER_PORT"):
         if world > 1 and key not in environ:
             raise UsageError(f"{key} is not set; a multi-process launch needs MASTER_ADDR and MASTER_PORT")
     return DistEnv(rank, world, local)
+
+
+def _local_rank(environ, rank: int, world: int) -> int:
+    """LOCAL_RANK, or what it must be; never RANK on a launch that may span nodes (wrong card, or a card
+    shared by two ranks on the second node)."""
+    if "LOCAL_RANK" in environ:
+        return int(environ["LOCAL_RANK"])
+    if world == 1:
+        return 0
+    if "SLURM_LOCALID" in environ and environ.get("SLURM_PROCID") == str(rank):
+        return int(environ["SLURM_LOCALID"])
+    local_world = environ.get("LOCAL_WORLD_SIZE")
+    if local_world is not None and int(local_world) == world:  # every rank on this node: local = global
+        return rank
+    why = (f"WORLD_SIZE={world} spans more than one node (LOCAL_WORLD_SIZE={local_world})" if local_world
+           else f"nothing says how many of the WORLD_SIZE={world} ranks share this node (no LOCAL_WORLD_SIZE)")
+    raise UsageError(f"LOCAL_RANK is not set and {why}; set LOCAL_RANK for each process (torchrun and "
+                     "slurm/train.sbatch do), or LOCAL_WORLD_SIZE=WORLD_SIZE on a single node")
+
+
+def check_master(environ=os.environ, *, timeout_s: float = RESOLVE_TIMEOUT_S) -> None:
+    """MASTER_PORT is a port and MASTER_ADDR resolves, within `timeout_s` (a bad name must not hang a rank)."""
+    port, addr = environ.get("MASTER_PORT", ""), environ.get("MASTER_ADDR", "")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UsageError(f"MASTER_PORT={port!r} is not a TCP port; use a free port in 1-65535")
+    result: list = []
+
+    def resolve():
+        try:
+            socket.getaddrinfo(addr, int(port), type=socket.SOCK_STREAM)
+            result.append(None)
+        except (OSError, UnicodeError) as e:
+            result.append(e)
+
+    t = threading.Thread(target=resolve, daemon=True, name="resolve-master")
+    t.start()
+    t.join(timeout_s)
+    if not result:
+        raise UsageError(f"MASTER_ADDR={addr!r} did not resolve within {timeout_s:.0f} s; give rank 0's host "
+                         "name or IP address")
+    if result[0] is not None:
+        reason = getattr(result[0], "strerror", None) or result[0]
+        raise UsageError(f"MASTER_ADDR={addr!r} does not resolve ({reason}); give rank 0's host name or IP "
+                         "address")
 
 
 def nprocs_for(cfg, cuda_count: int) -> int:
@@ -56,22 +115,68 @@ def nprocs_for(cfg, cuda_count: int) -> int:
     return cuda_count if cuda_count and cfg.train.device != "cpu" else 1
 
 
-def init_group(env: DistEnv, *, backend: str, device) -> None:
+def init_group(env: DistEnv, *, backend: str, device, timeout_s: float) -> None:
+    """Join the group; `timeout_s` bounds the rendezvous and every collective (strategy.timeout_s)."""
     import torch.distributed as dist
 
     if env.world_size == 1 or dist.is_initialized():
         return
+    check_master()
     kw = {"device_id": device} if backend == "nccl" else {}
     dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(minutes=10), **kw)
+                            timeout=timedelta(seconds=timeout_s), **kw)
 
 
 def destroy_group() -> None:
+    """The clean exit: every rank is here, so a barrier is safe (and needed to exit cleanly)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def abort_group() -> None:
+    """The error path: tear this rank's groups down without a collective (a barrier here would wait for a
+    peer that is itself waiting in the gradient all-reduce). Peers see their pending collective fail."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        # destroy_process_group() would shut NCCL down gracefully, waiting for pending work; the abort does not.
+        with contextlib.suppress(Exception):
+            dist.distributed_c10d._abort_process_group()
+
+
+def die_with_launcher(environ=os.environ) -> None:
+    """Rank side of "no orphans": a rank started by `spawn` ends when its launcher goes away.
+
+    PR_SET_PDEATHSIG covers the launcher's death (even kill -9) on Linux; a watcher thread covers the rest
+    (a launcher that died before this ran, or a platform without prctl). torchrun and Slurm watch their
+    own workers.
+    """
+    launcher = environ.pop(LAUNCHER_VAR, None)  # popped: this rank's own children are not ranks
+    if launcher is None or not launcher.isdigit():
+        return
+    parent = int(launcher)
+    if os.getppid() != parent:
+        try:
+            os.kill(parent, 0)
+            return  # alive, but not our parent: a variable left in the environment, not our launcher
+        except ProcessLookupError:
+            os._exit(1)  # the launcher died before this rank got here
+        except PermissionError:
+            return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    if os.getppid() != parent:  # died between the check and prctl
+        os._exit(1)
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True, name="watch-launcher").start()
 
 
 def _free_port() -> int:
@@ -93,17 +198,21 @@ def spawn(cfg, nprocs: int) -> int:
         for rank in range(nprocs):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            env[LAUNCHER_VAR] = str(os.getpid())
             # As torchrun does: ranks sharing a host must not each start a thread per core (CPU ranks
             # ran 6x slower oversubscribed); an explicit OMP_NUM_THREADS wins.
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
             cmd = [sys.executable, "-m", "job", "train", "--config", cfg_path]
-            procs.append(subprocess.Popen(cmd, env=env))
+            # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once (else each
+            # rank would see it twice and take it for the second, immediate one).
+            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
         log.info("ddp: started %d ranks (pids %s)", nprocs, " ".join(str(p.pid) for p in procs))
 
         def forward(signum, _frame):
             for p in procs:
                 if p.poll() is None:
-                    p.send_signal(signum)
+                    with contextlib.suppress(ProcessLookupError):
+                        p.send_signal(signum)
 
         previous = {s: signal.signal(s, forward) for s in FORWARDED}
         try:
@@ -115,31 +224,37 @@ def spawn(cfg, nprocs: int) -> int:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
         os.unlink(cfg_path)
     if all(c == EXIT_OK for c in codes):
         return EXIT_OK
     if all(c in (EXIT_OK, EXIT_INTERRUPTED) for c in codes):
         return EXIT_INTERRUPTED
     bad = [c for c in codes if c not in (EXIT_OK, EXIT_INTERRUPTED)]
-    log.error("ddp: rank exit codes %s", codes)
-    return bad[0] if bad[0] > 0 else 1
+    log.error("ddp: the job stopped; rank exit codes %s", ", ".join(_code_text(c) for c in codes))
+    return bad[0] if bad[0] > 0 else 128 - bad[0]  # killed by signal N: 128 + N, as a shell reports it
+
+
+LAUNCHER_VAR = "TRAINJOB_LAUNCHER_PID"
+
+
+def _code_text(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else str(code)
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> list[int]:
-    """Wait for every rank; if one fails, give the others a moment, then stop them (no hung group)."""
-    import time
-
+    """Wait for every rank; once one fails, the others get FAIL_GRACE_S to leave, then are killed."""
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             return codes
-        failed = [c for c in codes if c not in (None, EXIT_OK, EXIT_INTERRUPTED)]
+        failed = [r for r, c in enumerate(codes) if c not in (None, EXIT_OK, EXIT_INTERRUPTED)]
         if failed:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + FAIL_GRACE_S
             while time.monotonic() < deadline and any(p.poll() is None for p in procs):
-                time.sleep(0.2)
+                time.sleep(0.1)
             for p in procs:
                 if p.poll() is None:
-                    p.terminate()
+                    p.kill()  # SIGKILL also ends a stopped (SIGSTOP) rank
             return [p.wait() for p in procs]
         time.sleep(0.1)

@@ -1,8 +1,10 @@
 """The trainer, top to bottom: pick devices → build model, optimizer, strategy → resume → loop → close.
 
 Everything strategy-specific sits behind job.strategies (setup / loss / backward_sync); the loop below
-is the same for all of them. Interruptions (SIGTERM, SIGUSR1, SIGUSR2) set a flag; the current step
-finishes, every rank agrees to stop, a checkpoint is written, and the process exits 75.
+is the same for all of them. Interruptions (SIGTERM, SIGINT, SIGUSR1, SIGUSR2) set a flag; the current step
+finishes, every rank agrees to stop, a checkpoint is written, and the process exits 75 (a second Ctrl-C
+stops at once, exit 130). A rank that fails leaves through job.failure (one line, no collective, abort);
+a loss or weights that stop being finite end the run without a checkpoint over the last finite one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import signal
 import threading
 import time
@@ -19,7 +22,7 @@ from pathlib import Path
 import torch
 
 from job import checkpoint as ckpt
-from job import launch, memplan, report, rundir
+from job import failure, launch, memplan, report, rundir
 from job.config import summary
 from job.data import probe_batch
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
@@ -29,7 +32,7 @@ from job.strategies import build as build_strategy
 
 log = logging.getLogger("job")
 _AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 _stop = threading.Event()
 _stop_signal: list[int | None] = [None]
 
@@ -51,12 +54,23 @@ def stop_signal() -> int | None:
 
 
 def _on_signal(signum, _frame) -> None:
+    if signum == signal.SIGINT and _stop_signal[0] == signal.SIGINT:
+        # The second Ctrl-C: the user does not want to wait for the step and the checkpoint.
+        failure.stop_now("second Ctrl-C: stopped at once, without a checkpoint (the last one is kept)")
+    if signum == signal.SIGINT and not _stop.is_set():
+        log.info("Ctrl-C: press it again to stop at once, without a checkpoint")
     request_stop(signal.Signals(signum).name, signum)
 
 
 def run(cfg) -> int:
     """Train per `cfg`; returns the process exit code (0, 75 after an interruption)."""
     env = launch.dist_env()
+    if env is not None and env.world_size > 1 and not REGISTRY[cfg.strategy.name].multi_process:
+        raise UsageError(
+            f"strategy={cfg.strategy.name} runs one process that drives every card, but this process was started "
+            f"as rank {env.rank} of WORLD_SIZE={env.world_size}: each rank would train on its own; start it once "
+            "(torchrun --nproc-per-node=1, srun --ntasks=1) or use strategy=ddp"
+        )
     if env is None and REGISTRY[cfg.strategy.name].multi_process:
         n = launch.nprocs_for(cfg, torch.cuda.device_count() if cfg.train.device != "cpu" else 0)
         if n > 1:
@@ -65,11 +79,34 @@ def run(cfg) -> int:
                            world_size=n).check(micro_batch=cfg.train.batch_size // cfg.train.accum_steps)
             cfg.train.run_id = cfg.train.run_id or _new_run_id(cfg)
             return launch.spawn(cfg, n)
-    trainer = Trainer(cfg, env or launch.DistEnv(0, 1, 0))
+    env = env or launch.DistEnv(0, 1, 0)
+    if env.world_size == 1:
+        trainer = Trainer(cfg, env)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
+    # One of several ranks: an exception anywhere (building, training, the orderly close) ends this rank
+    # through failure.fail: one line, no collective, abort, exit; the launcher and the peers do the rest.
+    launch.die_with_launcher()
+    trainer = None
     try:
-        return trainer.fit()
-    finally:
+        trainer = Trainer(cfg, env)
+        code = trainer.fit()
         trainer.close()
+        return code
+    except BaseException as e:
+        failure.fail(e, env=env, device=trainer.device if trainer else _chosen_device(),
+                     timeout_s=cfg.strategy.timeout_s,
+                     cleanup=trainer.telemetry.close if trainer and trainer.telemetry else None,
+                     log_dir=trainer.run_dir if trainer else None)
+
+
+def _chosen_device():
+    """The card this process set as current, if CUDA has started (a failure while the trainer is built)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if not torch.cuda.is_available() else None
 
 
 def _new_run_id(cfg) -> str:
@@ -132,7 +169,7 @@ class Trainer:
             backend = cfg.strategy.backend
             if backend == "auto":
                 backend = "nccl" if self.device.type == "cuda" else "gloo"
-            launch.init_group(env, backend=backend, device=self.device)
+            launch.init_group(env, backend=backend, device=self.device, timeout_s=cfg.strategy.timeout_s)
         self.strategy = build_strategy(cfg.strategy.name, strategy_cfg=cfg.strategy, devices=self.devices,
                                        rank=env.rank, world_size=env.world_size, local_rank=env.local_rank)
         self.micro_batch = t.batch_size // t.accum_steps
@@ -160,6 +197,10 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp == "fp16")
         self.step, self.sample_position = 0, 0  # samples consumed: the data stream's position
         self._saved_step = -1
+        self._faults = failure.faults()  # the JOB_FAULT test hook; empty unless set
+        self._loss_sum = torch.zeros((), device=self.device)  # this rank's loss since the last log line
+        self._bad_loss = False  # this rank has seen a loss that is not finite
+        self._nonfinite: str | None = None  # why the run ended without a checkpoint over the last finite one
         # Weights are restored before the strategy wraps or replicates the model, the optimizer after
         # (its shape may depend on the strategy), RNG last.
         state, resume_path = self._startup_checks()
@@ -334,11 +375,13 @@ class Trainer:
         try:
             try:
                 stopped = self._loop()
+                self.save_checkpoint()  # still ours: a second Ctrl-C during the write leaves at once
             finally:
                 _restore_signal_handlers(handlers)
-            self.save_checkpoint()
         except ckpt.WriteFailed as e:
             return self._checkpoint_lost(e)
+        if self._nonfinite:
+            return self._report_nonfinite()
         if stopped:
             log.warning("stopped at step %d; checkpoint written; exit %d", self.step, EXIT_INTERRUPTED)
             return EXIT_INTERRUPTED
@@ -360,10 +403,11 @@ class Trainer:
             _reset_peaks(self.devices)  # peaks over the timed steps: the same window for every strategy
             self.clock.start(self.step)
         window_start, window_steps = time.perf_counter(), 0
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum = self._loss_sum
         last_loss = float("nan")
         while self.step < t.steps:
             step_start = time.perf_counter()
+            poison = self._faults and failure.inject(self._faults, rank=self.env.rank, step=self.step + 1)
             self._set_lr()
             self.optimizer.zero_grad(set_to_none=True)
             for micro in range(t.accum_steps):
@@ -371,6 +415,8 @@ class Trainer:
                 with self.strategy.backward_sync(micro == t.accum_steps - 1):
                     with torch.autocast(self.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                         loss = self.strategy.loss(x, y)
+                        if poison:
+                            loss = loss * float("nan")
                     self.scaler.scale(loss / t.accum_steps).backward()
                 loss_sum += loss.detach() / t.accum_steps
             if t.grad_clip:
@@ -395,22 +441,31 @@ class Trainer:
             if self.step == t.steps:
                 self._sync()
                 self.clock.stop(self.step)
+            # Not finite: known for free on CPU, and after a device sync (log steps) on GPUs; every save
+            # checks again with all ranks before writing.
+            bad = self.device.type == "cpu" and not math.isfinite(loss_sum.item())
             if self.step % log_every == 0 or self.step == t.steps:
                 self._sync()
                 now = time.perf_counter()
                 with self.clock.paused():
                     last_loss = self.strategy.mean(loss_sum.item() / window_steps)
+                    bad = bad or not math.isfinite(last_loss)
                     rate = window_steps * samples_per_step / (now - window_start)
                     self._log_step(last_loss, rate, cards=self.step % card_every == 0 or self.step == t.steps)
                 loss_sum.zero_()
                 window_start, window_steps = now, 0
+            self._bad_loss = self._bad_loss or bad
             if self.telemetry is not None:  # samples this rank trained on, so a sum over ranks is right
                 self.telemetry.observe_step(time.perf_counter() - step_start, rank_samples, last_loss)
             if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.steps:
                 self._sync()
                 with self.clock.paused():
                     self.save_checkpoint()
-            if self.strategy.any(_stop.is_set()):
+                if self._nonfinite:
+                    return True
+            # One collective per step: stop if any rank was asked to, or saw a loss that is not finite (which
+            # of the two, every rank learns in save_checkpoint).
+            if self.strategy.any(_stop.is_set() or bad):
                 return self.step < t.steps
         return False
 
@@ -444,9 +499,16 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         """Rank 0 writes; every rank learns whether it could (ckpt.WriteFailed on all ranks if not)."""
-        if self._saved_step == self.step:  # a stop right after a periodic checkpoint: nothing new
+        if self._saved_step == self.step or self._nonfinite:  # nothing new, or nothing worth keeping
             return
-        rngs = self.strategy.all_gather_object(ckpt.rng_state())
+        # Every rank says whether its loss and weights are finite in the gather the save needs anyway: a NaN
+        # on any rank keeps the last finite checkpoint instead of writing over it.
+        gathered = self.strategy.all_gather_object((ckpt.rng_state(), self._finite()))
+        rngs = [rng for rng, _ in gathered]
+        bad = [rank for rank, (_, ok) in enumerate(gathered) if not ok]
+        if bad:
+            self._nonfinite = f"rank {', '.join(map(str, bad))}"
+            return
         failed = None
         if self.is_main:
             from omegaconf import OmegaConf
@@ -489,6 +551,23 @@ class Trainer:
             log.error("error: %s; no checkpoint of this run was kept, so the %d steps trained are lost. Free "
                       "space and start again; exit 1", e, self.step)
         return 1
+
+    def _finite(self) -> bool:
+        self._sync()
+        if self._bad_loss or not math.isfinite(self._loss_sum.item()):
+            return False
+        with torch.no_grad():
+            return bool(torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all())
+
+    def _report_nonfinite(self) -> int:
+        if self.is_main:
+            kept = ckpt.list_checkpoints(self.ckpt_dir)
+            what = f"kept the last finite checkpoint {kept[-1]}" if kept else "no checkpoint was written"
+            amp = " or train.amp=bf16 instead of fp16" if self.cfg.train.amp == "fp16" else ""
+            log.error("error: the loss or the weights are no longer finite at step %d (%s); %s; lower train.lr "
+                      "(now %g) or add train.warmup_steps%s, then run the same command to resume", self.step,
+                      self._nonfinite, what, self.cfg.train.lr, amp)
+        return failure.EXIT_CRASH
 
     def _finish(self) -> None:
         self._sync()

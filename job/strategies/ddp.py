@@ -7,6 +7,8 @@ this module wraps the model and provides the collectives the trainer needs. Cont
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -26,7 +28,8 @@ class DDPStrategy(Strategy):
         self.distributed = dist.is_available() and dist.is_initialized() and self.world_size > 1
         self.ctrl = None
         if self.distributed:
-            self.ctrl = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+            self.ctrl = (dist.new_group(backend="gloo", timeout=timedelta(seconds=scfg.timeout_s))
+                         if dist.get_backend() != "gloo" else dist.group.WORLD)
 
     def check(self, *, micro_batch: int) -> None:
         self.micro_batch = micro_batch

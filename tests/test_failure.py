@@ -1,0 +1,306 @@
+"""A rank that fails, dies, hangs or is interrupted: the whole job stops within 30 s, says why once, keeps the
+last checkpoint. CPU, gloo, through the real entry point; faults come from the JOB_FAULT test hook
+(job/failure.py). docs/failures.md describes what a user sees."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, job_cmd, requires_gpus
+
+SMALL = ["workload=tiny", "workload.width=8", "workload.image_size=16", "train.device=cpu", "train.log_every=5",
+         "train.batch_size=16"]
+DDP2 = ["strategy=ddp", "strategy.nprocs=2"]
+BOUND_S = 30.0
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+               "JOB_FAULT", "SLURM_LOCALID", "SLURM_PROCID", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONPATH"] = str(ROOT)
+    return {**env, **extra}
+
+
+class Job:
+    """A command running in its own process group (as in a terminal), its stderr lines timestamped."""
+
+    def __init__(self, cmd: list[str], env: dict):
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self):
+        for line in self.proc.stderr:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    @property
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait_for(self, pattern: str, timeout: float = 180) -> float:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for t, line in list(self.lines):
+                if re.search(pattern, line):
+                    return t
+            assert self.proc.poll() is None or self._reader.is_alive(), f"exited before {pattern!r}:\n{self.text}"
+            time.sleep(0.05)
+        raise AssertionError(f"{pattern!r} not seen in {timeout} s:\n{self.text}")
+
+    def finish(self, timeout: float = 240) -> tuple[int, float]:
+        """(exit code, monotonic time of exit)."""
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        finally:
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        end = time.monotonic()
+        self._reader.join(5)
+        return rc, end
+
+    def rank_pids(self) -> list[int]:
+        t = self.wait_for(r"ddp: started \d+ ranks")
+        line = next(line for tt, line in self.lines if tt == t and "started" in line)
+        return [int(p) for p in re.search(r"pids ([\d ]+)", line).group(1).split()]
+
+
+def train(tmp: Path, run_id: str, *args: str, fault: str = "", **env) -> Job:
+    extra = {"JOB_FAULT": fault} if fault else {}
+    return Job(job_cmd("train", *SMALL, f"train.run_dir={tmp}", f"train.run_id={run_id}", *args),
+               clean_env(**extra, **env))
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if running(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if running(p)]
+
+
+def checkpoints(tmp: Path, run_id: str) -> list[str]:
+    return sorted(p.name for p in (tmp / run_id / "checkpoints").glob("*"))
+
+
+# -- a rank fails: one line, everyone gone within the bound ---------------------------------------------------
+@pytest.mark.parametrize("fault,said", [
+    ("1:3:raise", r"^error: rank 1 \(cpu\): RuntimeError: injected fault"),
+    ("0:3:oom", r"^error: rank 0 \(cpu\): CUDA out of memory \(injected .*lower train.batch_size"),
+    ("1:3:kill", r"^error: rank 1 left without an error line"),
+    ("0:3:kill", r"^rank 1 \(cpu\): stopping: lost rank 0"),
+    ("1:3:stop", r"^error: rank 1 did not answer within strategy.timeout_s=5 s"),
+    ("0:3:stop", r"^error: rank 0 did not answer within strategy.timeout_s=5 s"),
+], ids=["raise-rank1", "oom-rank0", "kill-rank1", "kill-rank0", "hang-rank1", "hang-rank0"])
+def test_a_failing_rank_ends_the_job_within_the_bound(tmp_path, fault, said):
+    job = train(tmp_path, "f", *DDP2, "train.steps=200", "strategy.timeout_s=5", fault=fault)
+    started = job.wait_for(r"^run f: ddp")  # the fault fires 3 steps (milliseconds) later
+    pids = job.rank_pids()
+    rc, end = job.finish()
+    assert end - started < BOUND_S, f"job took {end - started:.1f} s after training started:\n{job.text}"
+    assert wait_gone(pids, 1.0) == [], "a rank outlived the launcher"
+    assert rc not in (0, 2, 75), job.text
+    said_lines = [line for _, line in job.lines if re.search(said, line)]
+    assert len(said_lines) == 1, job.text
+    assert "Traceback" not in job.text and "frame #" not in job.text, job.text
+    assert len([line for _, line in job.lines if line.startswith("error:")]) <= 1, job.text
+    if fault.endswith("raise"):  # a bug's traceback is kept, in the run directory, not on the terminal
+        assert "injected fault" in (tmp_path / "f" / "rank1-error.txt").read_text()
+
+
+def test_killing_the_launcher_leaves_no_rank_running(tmp_path):
+    job = train(tmp_path, "k", *DDP2, "train.steps=100000")
+    pids = job.rank_pids()
+    job.wait_for(r"^step 5/")
+    job.proc.kill()  # kill -9: no chance to forward anything
+    t = time.monotonic()
+    job.finish()
+    assert wait_gone(pids, BOUND_S) == [], "ranks kept training after the launcher died"
+    assert time.monotonic() - t < BOUND_S
+
+
+def test_torchrun_rank_failure_ends_the_job(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--monitor-interval=0.5",
+           "-m", "job", "train", *SMALL, f"train.run_dir={tmp_path}", "train.run_id=t", "strategy=ddp",
+           "train.steps=200"]
+    job = Job(cmd, clean_env(JOB_FAULT="1:3:raise"))
+    started = job.wait_for(r"^run t: ddp")
+    rc, end = job.finish()
+    assert end - started < BOUND_S, job.text
+    assert rc == 1, job.text  # torchrun reports every failed worker as 1 (docs/failures.md)
+    assert len([line for _, line in job.lines if "injected fault" in line]) == 1, job.text
+    assert any(line.startswith("rank 0 (cpu): stopping: rank 1 failed") for _, line in job.lines), job.text
+
+
+# -- Ctrl-C ------------------------------------------------------------------------------------------------
+def test_ctrl_c_checkpoints_exits_75_and_resumes(tmp_path):
+    args = [*DDP2, "train.steps=100000", "train.checkpoint_every=0"]
+    job = train(tmp_path, "c", *args)
+    job.wait_for(r"^step 5/")
+    os.killpg(job.proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
+    rc, _ = job.finish(timeout=60)
+    assert rc == 75, job.text
+    assert "KeyboardInterrupt" not in job.text and "Traceback" not in job.text, job.text
+    saved = checkpoints(tmp_path, "c")
+    assert len(saved) == 1, saved
+    step = int(re.search(r"step_(\d+)", saved[0]).group(1))
+
+    again = train(tmp_path, "c", *DDP2, f"train.steps={step + 5}", "train.checkpoint_every=0")
+    rc, _ = again.finish()
+    assert rc == 0, again.text
+    assert f"resumed from {tmp_path / 'c' / 'checkpoints' / saved[0]}" in again.text
+
+
+def test_second_ctrl_c_stops_at_once(tmp_path):
+    # Slow steps (about a second here), so that the second Ctrl-C lands while the first one's step runs.
+    job = train(tmp_path, "cc", *DDP2, "train.steps=100000", "train.checkpoint_every=0", "workload.width=64",
+                "workload.image_size=64", "train.batch_size=32", "train.log_every=1")
+    pids = job.rank_pids()
+    job.wait_for(r"^step 1/")
+    os.killpg(job.proc.pid, signal.SIGINT)
+    job.wait_for(r"^Ctrl-C: press it again")
+    os.killpg(job.proc.pid, signal.SIGINT)
+    t = time.monotonic()
+    rc, end = job.finish(timeout=60)
+    assert rc == 130, job.text
+    assert end - t < 10, job.text
+    assert wait_gone(pids, 5) == []
+    assert job.text.count("second Ctrl-C: stopped at once") == 1, job.text
+    assert checkpoints(tmp_path, "cc") == [], "the second Ctrl-C still wrote a checkpoint"
+    assert "Traceback" not in job.text, job.text
+
+
+# -- a loss that stops being finite -------------------------------------------------------------------------
+def test_nan_on_one_rank_keeps_the_last_finite_checkpoint(tmp_path):
+    job = train(tmp_path, "n", *DDP2, "train.steps=40", "train.checkpoint_every=4", fault="1:7:nan")
+    rc, _ = job.finish()
+    assert rc == 1, job.text
+    assert checkpoints(tmp_path, "n") == ["step_00000004.pt"], job.text
+    lines = [line for _, line in job.lines if "no longer finite" in line]
+    assert len(lines) == 1 and "at step 7" in lines[0] and "step_00000004.pt" in lines[0], job.text
+    state = torch.load(tmp_path / "n" / "checkpoints" / "step_00000004.pt", map_location="cpu", weights_only=False)
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+
+    resumed = train(tmp_path, "n", *DDP2, "train.steps=8", "train.checkpoint_every=4")
+    rc, _ = resumed.finish()
+    assert rc == 0, resumed.text
+    assert "resumed from" in resumed.text
+
+
+def test_huge_learning_rate_stops_without_a_nan_checkpoint(tmp_path):
+    job = train(tmp_path, "lr", "strategy=dp", "train.steps=30", "train.checkpoint_every=0", "train.lr=1e30")
+    rc, _ = job.finish()
+    assert rc == 1, job.text
+    assert checkpoints(tmp_path, "lr") == []
+    assert len([line for _, line in job.lines if line.startswith("error:")]) == 1, job.text
+    assert "lower train.lr (now 1e+30)" in job.text
+
+
+# -- launches that cannot work are refused with one line, exit 2 ---------------------------------------------
+LAUNCHED = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29599"}
+
+
+@pytest.mark.parametrize("strategy", ["dp", "balanced"])
+def test_single_process_strategy_refused_under_a_multi_rank_launch(tmp_path, strategy):
+    job = train(tmp_path, "s", f"strategy={strategy}", "train.steps=3", **LAUNCHED)
+    rc, _ = job.finish(timeout=60)
+    assert rc == 2, job.text
+    assert f"strategy={strategy} runs one process" in job.text and "Traceback" not in job.text
+    assert not (tmp_path / "s").exists()
+
+
+@pytest.mark.parametrize("env,message", [
+    ({"LOCAL_RANK": None, "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}, "LOCAL_RANK is not set and WORLD_SIZE=4 spans"),
+    ({"LOCAL_RANK": None}, "LOCAL_RANK is not set and nothing says how many"),
+    ({"MASTER_ADDR": "no-such-host.invalid"}, "MASTER_ADDR='no-such-host.invalid' does not resolve"),
+    ({"MASTER_PORT": "99999"}, "MASTER_PORT='99999' is not a TCP port"),
+], ids=["local-rank-multinode", "local-rank-unknown", "master-addr", "master-port"])
+def test_bad_launch_environment_is_refused(tmp_path, env, message):
+    launched = {**LAUNCHED, **env}
+    job = Job(job_cmd("train", *SMALL, f"train.run_dir={tmp_path}", "train.run_id=e", "strategy=ddp",
+                      "train.steps=3"),
+              clean_env(**{k: v for k, v in launched.items() if v is not None}))
+    rc, end = job.finish(timeout=60)
+    assert rc == 2, job.text
+    assert message in job.text and "Traceback" not in job.text, job.text
+    assert end - job.t0 < BOUND_S
+    assert not (tmp_path / "e").exists()
+
+
+def test_local_rank_is_derived_only_where_it_is_known():
+    from job.errors import UsageError
+    from job.launch import dist_env
+
+    base = {"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert dist_env({**base, "SLURM_PROCID": "3", "SLURM_LOCALID": "1"}).local_rank == 1
+    assert dist_env({**base, "LOCAL_WORLD_SIZE": "4"}).local_rank == 3  # one node: local = global
+    assert dist_env({**base, "LOCAL_RANK": "0"}).local_rank == 0
+    with pytest.raises(UsageError):
+        dist_env({**base, "SLURM_PROCID": "2", "SLURM_LOCALID": "1"})  # Slurm's ids are not this process's
+    with pytest.raises(UsageError):
+        dist_env({**base, "LOCAL_WORLD_SIZE": "2"})
+
+
+def test_bad_timeout_is_refused(tmp_path):
+    job = train(tmp_path, "t", *DDP2, "strategy.timeout_s=0")
+    rc, _ = job.finish(timeout=60)
+    assert rc == 2 and "strategy.timeout_s=0" in job.text, job.text
+
+
+# -- GPU: a real out-of-memory on rank 0 ----------------------------------------------------------------------
+TENANT = """
+import sys, time, torch
+free, _ = torch.cuda.mem_get_info(0)
+hold = torch.empty(int(free - float(sys.argv[1]) * 2**30), dtype=torch.uint8, device="cuda:0")
+print("holding", hold.numel(), flush=True)
+time.sleep(3600)
+"""
+
+
+@requires_gpus(2)
+def test_real_out_of_memory_on_rank0_ends_a_two_gpu_job(tmp_path):
+    """Another process leaves ~3 GB free on card 0; the lm at batch 64 needs far more: rank 0 runs out of
+    memory, the job ends within the bound and the error appears once."""
+    tenant = subprocess.Popen([sys.executable, "-c", TENANT, "3"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert tenant.stdout.readline().startswith("holding")
+        cmd = job_cmd("train", "strategy=ddp", "strategy.split=even", "workload=lm", "train.amp=bf16",
+                      "train.batch_size=64", "train.steps=50", f"train.run_dir={tmp_path}", "train.run_id=oom",
+                      "train.device=cuda")
+        env = clean_env(CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0,1"))
+        job = Job(cmd, env)
+        pids = job.rank_pids()
+        rc, end = job.finish(timeout=600)
+        oom = [line for _, line in job.lines if "out of memory" in line]
+        assert len(oom) == 1, job.text
+        assert re.match(r"error: rank 0 \(cuda:0, GPU-[0-9a-f-]+\): ", oom[0]), oom[0]
+        fail_t = next(t for t, line in job.lines if "out of memory" in line)
+        assert end - fail_t < BOUND_S, job.text
+        assert rc not in (0, 75), job.text
+        assert wait_gone(pids, 1.0) == []
+        assert "Traceback" not in job.text, job.text
+    finally:
+        tenant.kill()
+        tenant.wait()
