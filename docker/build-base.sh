@@ -44,7 +44,7 @@ fi
 
 # The project's one torch: the Makefile's TORCH_PIN, installed by the host's pip from its package sources.
 TORCH_PIN=${TORCH_PIN:-$(sed -n 's/^TORCH_PIN := //p' Makefile)}
-[[ $TORCH_PIN =~ ^torch==([0-9][0-9.]*)[[:space:]]+torchvision==[0-9][0-9.]*$ ]] ||
+[[ $TORCH_PIN =~ ^torch==([0-9][0-9.]*)(\+[a-z0-9.]+)?[[:space:]]+torchvision==[0-9][0-9.]*(\+[a-z0-9.]+)?$ ]] ||
   { echo "error: TORCH_PIN '$TORCH_PIN' is not 'torch==X torchvision==Y'; fix the Makefile's TORCH_PIN line" >&2; exit 2; }
 TORCH_VERSION=${BASH_REMATCH[1]}
 PY_MINOR=$("$PY" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
