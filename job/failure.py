@@ -192,13 +192,13 @@ def _traceback_note(exc: BaseException, env, log_dir: Path | None) -> str:
     if isinstance(exc, (UsageError, torch.OutOfMemoryError, KeyboardInterrupt, SystemExit)):
         return ""
     text = "".join(traceback.format_exception(exc))
-    folder = log_dir if log_dir is not None and log_dir.is_dir() else None
     try:
-        if folder is None:
+        if log_dir is not None and log_dir.is_dir():
+            path = log_dir / f"rank{env.rank}-error.txt"
+        else:  # failed before the run directory existed
             import tempfile
 
-            folder = Path(tempfile.gettempdir())
-        path = folder / f"rank{env.rank}-error.txt"
+            path = Path(tempfile.gettempdir()) / f"job-rank{env.rank}-error-{os.getpid()}.txt"
         path.write_text(text)
         return f"; traceback: {path}"
     except OSError:

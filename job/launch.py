@@ -216,7 +216,7 @@ def spawn(cfg, nprocs: int) -> int:
 
         previous = {s: signal.signal(s, forward) for s in FORWARDED}
         try:
-            codes = _wait_all(procs)
+            codes, first = _wait_all(procs)
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
@@ -230,9 +230,12 @@ def spawn(cfg, nprocs: int) -> int:
         return EXIT_OK
     if all(c in (EXIT_OK, EXIT_INTERRUPTED) for c in codes):
         return EXIT_INTERRUPTED
-    bad = [c for c in codes if c not in (EXIT_OK, EXIT_INTERRUPTED)]
+    if first is None:
+        first = next(r for r, c in enumerate(codes) if c not in (EXIT_OK, EXIT_INTERRUPTED))
     log.error("ddp: the job stopped; rank exit codes %s", ", ".join(_code_text(c) for c in codes))
-    return bad[0] if bad[0] > 0 else 128 - bad[0]  # killed by signal N: 128 + N, as a shell reports it
+    # The code of the rank that failed first (the cause, not a peer that left because of it); killed by
+    # signal N: 128 + N, as a shell reports it.
+    return codes[first] if codes[first] > 0 else 128 - codes[first]
 
 
 LAUNCHER_VAR = "TRAINJOB_LAUNCHER_PID"
@@ -242,12 +245,13 @@ def _code_text(code: int) -> str:
     return f"killed by {signal.Signals(-code).name}" if code < 0 else str(code)
 
 
-def _wait_all(procs: list[subprocess.Popen]) -> list[int]:
-    """Wait for every rank; once one fails, the others get FAIL_GRACE_S to leave, then are killed."""
+def _wait_all(procs: list[subprocess.Popen]) -> tuple[list[int], int | None]:
+    """Wait for every rank; once one fails, the others get FAIL_GRACE_S to leave, then are killed.
+    Returns the exit codes and the rank seen failing first (None if none failed while others ran)."""
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
-            return codes
+            return codes, None
         failed = [r for r, c in enumerate(codes) if c not in (None, EXIT_OK, EXIT_INTERRUPTED)]
         if failed:
             deadline = time.monotonic() + FAIL_GRACE_S
@@ -256,5 +260,5 @@ def _wait_all(procs: list[subprocess.Popen]) -> list[int]:
             for p in procs:
                 if p.poll() is None:
                     p.kill()  # SIGKILL also ends a stopped (SIGSTOP) rank
-            return [p.wait() for p in procs]
+            return [p.wait() for p in procs], failed[0]
         time.sleep(0.1)

@@ -136,6 +136,10 @@ def slurm_parameters(cfg, p: Plan) -> dict:
         "setup": list(SETUP),
         # Requeue works even where the cluster's JobRequeue default is 0.
         "additional_parameters": {"requeue": True},
+        # One rank failing ends the step: 10 s after the first task ends, srun kills the rest (a rank stuck in
+        # a collective with a dead peer). Not --kill-on-bad-exit: ranks exiting 75 after a checkpoint, a few
+        # milliseconds apart, would be killed and the exit code lost (docs/failures.md).
+        "srun_args": ["--wait=10"],
     }
     if s.gpus_per_node:
         params["gpus_per_node"] = s.gpus_per_node

@@ -139,3 +139,25 @@ def granted_gpu_indices(scontrol_show: str) -> str:
         lo, _, hi = part.partition("-")
         out += [str(i) for i in range(int(lo), int(hi or lo) + 1)]
     return ",".join(out)
+
+
+def time_failure(cluster: Cluster, job_id: str, logs: list[Path], pattern: str,
+                 timeout: float = 240) -> tuple[float, str]:
+    """Seconds from the first log line matching `pattern` (a rank's failure) until Slurm has the job done,
+    and the final state. Polls both every 0.2 s."""
+    import re
+
+    seen = None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if seen is None:
+            text = "".join(p.read_text(errors="replace") for p in logs if p.exists())
+            if re.search(pattern, text, re.M):
+                seen = time.monotonic()
+        state = cluster.state(job_id)
+        if state in DONE:
+            if seen is None:
+                pytest.fail(f"job {job_id} ended {state} without {pattern!r}:\n{text[-3000:]}")
+            return time.monotonic() - seen, state
+        time.sleep(0.2)
+    pytest.fail(f"job {job_id} not done after {timeout} s\n{cluster.diagnostics()}")

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import submitit
-from _slurm_helpers import DONE, TINY, probe, start_cluster, stop_cluster
+from _slurm_helpers import DONE, TINY, probe, start_cluster, stop_cluster, time_failure
 from conftest import ROOT, job_cmd
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -232,6 +232,24 @@ def test_plain_sbatch_script_requeues_itself(cluster, tmp_path):
     assert f"requeueing job {job_id}" in out and "resumed from" in out, out[-3000:]
     assert _metric_steps(run_dir) == list(range(1, 121))
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 120
+
+
+def test_a_failing_rank_ends_the_plain_sbatch_job(cluster, tmp_path):
+    """slurm/train.sbatch, 2 tasks: rank 1 raises at step 3 (the JOB_FAULT test hook). Its error line appears
+    once, rank 0 notices and leaves, srun --wait bounds the rest: the job is FAILED within 30 s of the error."""
+    run = [*TINY, "strategy=ddp", "train.steps=300", "train.device=cpu", f"train.run_dir={tmp_path}/runs"]
+    r = cluster.run("sbatch", "--parsable", "--ntasks-per-node=2", "--gpus-per-node=2", "--cpus-per-task=1",
+                    f"--output={tmp_path}/%j.out", f"--chdir={ROOT}", str(ROOT / "slurm" / "train.sbatch"), *run,
+                    check=False, PYTHON=sys.executable, JOB_FAULT="1:3:raise")
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.strip().split(";")[0]
+    out = tmp_path / f"{job_id}.out"
+    seconds, state = time_failure(cluster, job_id, [out], r"^error: rank 1 \(cpu\): RuntimeError: injected fault")
+    text = out.read_text()
+    assert state == "FAILED" and seconds < 30, f"{state} after {seconds:.1f} s\n{text[-3000:]}"
+    assert text.count("injected fault") == 1 and "Traceback" not in text, text[-3000:]
+    assert "rank 0 (cpu): stopping: rank 1 failed" in text, text[-3000:]
+    assert "Restarts=0" in cluster.show(job_id), "a crash is not requeued"
 
 
 def test_max_requeues_bounds_the_requeues(cluster, tmp_path):

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 import submitit
-from _slurm_helpers import TINY, start_cluster, stop_cluster
+from _slurm_helpers import TINY, start_cluster, stop_cluster, time_failure
 from conftest import ROOT, job_cmd
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -51,3 +51,22 @@ def test_ddp_two_nodes_one_task_each_matches_single_process(cluster, tmp_path):
     assert two["step"] == one["step"] == 8
     for k in one["model"]:
         torch.testing.assert_close(two["model"][k], one["model"][k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_a_failing_rank_ends_the_two_node_job(cluster, tmp_path):
+    """2 nodes x 1 task through submitit: rank 1 (on n2) raises at step 3 (the JOB_FAULT test hook); rank 0
+    leaves too, and the job is over within 30 s of the error line, which appears once."""
+    r = subprocess.run(
+        job_cmd("submit", *TINY, "strategy=ddp", "train.steps=300", "train.device=cpu", "submit.nodes=2",
+                "submit.gpus_per_node=1", "submit.cpus_per_task=1", f"submit.folder={tmp_path}/submitit/%j",
+                f"train.run_dir={tmp_path}/runs"),
+        capture_output=True, text=True, cwd=ROOT, env={**cluster.env, "JOB_FAULT": "1:3:raise"}, timeout=120,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = r.stdout.split()[3].rstrip(":")
+    logs = [tmp_path / "submitit" / job_id / f"{job_id}_{t}_log.err" for t in (0, 1)]
+    seconds, state = time_failure(cluster, job_id, logs, r"^error: rank 1 \(.*\): RuntimeError: injected fault")
+    text = "".join(p.read_text() for p in logs)
+    assert state == "FAILED" and seconds < 30, f"{state} after {seconds:.1f} s\n{text[-3000:]}"
+    assert text.count("injected fault") == 1, text[-3000:]
+    assert "stopping: rank 1 failed" in logs[0].read_text(), text[-3000:]
