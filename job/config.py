@@ -441,7 +441,8 @@ def validate(cfg) -> None:
     for key, (low, high) in LIMITS.items():
         value = OmegaConf.select(cfg, key)
         if not low <= value <= high:
-            raise UsageError(f"`{key}={value}` is out of range{WHY.get(key, '')}; use {low:,} to {high:,}")
+            why = WHY.get(key, "") if value > high else ""
+            raise UsageError(f"`{key}={value}` is out of range{why}; use {low:,} to {high:,}")
     _check_floats(cfg)
     if not 0 <= cfg.telemetry.port <= 65535:
         raise UsageError(f"`telemetry.port={cfg.telemetry.port}` is not a TCP port; use 1-65535, or 0 for off")

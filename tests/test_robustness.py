@@ -85,7 +85,7 @@ class _Plant:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize("kind", ["torch-zip", "raw-pickle"])
+@pytest.mark.parametrize("kind", ["torch-zip", "raw-pickle", "raw-pickle-protocol-4"])
 def test_planted_pickle_runs_no_code(tmp_path, kind):
     assert train(tmp_path, "p", "strategy=dp", "train.steps=2").returncode == 0
     ck = checkpoints(tmp_path / "p")[-1]
@@ -94,7 +94,7 @@ def test_planted_pickle_runs_no_code(tmp_path, kind):
     if kind == "torch-zip":
         torch.save(plant, ck)
     else:
-        ck.write_bytes(pickle.dumps(plant, protocol=2))
+        ck.write_bytes(pickle.dumps(plant, protocol=4 if kind.endswith("4") else 2))
     # The plant is real: an unsafe load runs it.
     subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(ck)!r}, weights_only=False)"],
                    capture_output=True, timeout=120)
@@ -105,7 +105,11 @@ def test_planted_pickle_runs_no_code(tmp_path, kind):
     p = train(tmp_path, "p", "strategy=dp", "train.steps=4")
     assert p.returncode == 2, p.stderr
     line = one_error(p.stderr)
-    assert "holds Python objects other than tensors and plain data" in line and str(ck) in line, line
+    assert str(ck) in line, line
+    if kind.endswith("4"):  # torch's weights-only reader stops at the protocol-4 framing, before any global
+        assert "is corrupt or not a checkpoint" in line, line
+    else:
+        assert "holds Python objects other than tensors and plain data" in line and "posix.system" in line, line
     assert not marker.exists(), "loading the checkpoint ran code"
     assert snapshot(tmp_path / "p") == before
 
@@ -155,9 +159,12 @@ def no_temp_files(run: Path) -> None:
     assert not left, left
 
 
-def test_disk_full_at_a_periodic_checkpoint_keeps_the_last_one(small_disk):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_disk_full_at_a_periodic_checkpoint_keeps_the_last_one(small_disk, ranks):
+    """Rank 0 fails to write; with 2 ranks, rank 1 learns it in the same collective and both stop."""
     run = small_disk / "f"
-    proc = start(small_disk, "f", "strategy=dp", "train.steps=100000", "train.checkpoint_every=10")
+    how = ["strategy=dp"] if ranks == 1 else ["strategy=ddp", "strategy.nprocs=2", "train.batch_size=16"]
+    proc = start(small_disk, "f", *how, "train.steps=100000", "train.checkpoint_every=10")
     deadline = time.monotonic() + 180
     while not (run / "checkpoints" / "step_00000010.pt").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
@@ -173,7 +180,7 @@ def test_disk_full_at_a_periodic_checkpoint_keeps_the_last_one(small_disk):
     no_temp_files(run)
 
     (small_disk / "filler").unlink()  # space again: the same command resumes
-    p = train(small_disk, "f", "strategy=dp", "train.steps=14", "train.checkpoint_every=10")
+    p = train(small_disk, "f", *how, "train.steps=14", "train.checkpoint_every=10")
     assert p.returncode == 0, p.stderr
     assert "resumed from" in p.stderr and "step_00000010.pt" in p.stderr
     steps = metric_steps(run)
@@ -311,14 +318,9 @@ def test_refused_commands_leave_the_run_byte_identical(tmp_path):
     busy = _busy_port()
     cases = {
         "lr nan": (["train.lr=nan"], "train.lr=nan"),
-        "lr negative": (["train.lr=-0.1"], "train.lr=-0.1"),
         "seed": ([f"train.seed={2**32}"], "train.seed"),
         "steps": (["train.steps=100000000"], "8 digits"),
-        "zero batch": (["train.batch_size=0"], "train.batch_size=0"),
-        "momentum": (["train.momentum=1.5"], "train.momentum=1.5"),
         "weight decay": (["train.weight_decay=100"], "lr x weight_decay"),
-        "dropout": (["workload.dropout=1"], "workload.dropout"),
-        "absurd width": (["workload.width=100000"], "workload.width"),
         "optimizer": (["train.optimizer=adamw"], "holds sgd optimizer state but train.optimizer=adamw"),
         "model shape": (["workload.width=16"], "does not fit this model"),
         "empty imagefolder": (["data.kind=imagefolder", f"data.path={empty}"], "holds no class folders"),
