@@ -461,3 +461,12 @@ def test_ranks_resume_the_checkpoint_rank_0_chose(tmp_path):
     assert f"resumed from {a / 'runs' / 'x' / 'checkpoints' / 'step_00000004.pt'}" in outs[0][1]
     assert not (b / "runs").exists()  # rank 1 wrote nothing of its own
     assert torch.load(checkpoints(a / "runs" / "x")[-1], weights_only=True)["step"] == 8
+
+
+def test_help_shows_the_accepted_range_of_every_bounded_key():
+    from job import config
+
+    lines = config.help_text().splitlines()
+    for key, (low, high) in config.LIMITS.items():
+        at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{key}="))
+        assert f"[accepted: {low:,} to {high:,}]" in lines[at + 1], key
