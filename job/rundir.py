@@ -146,7 +146,7 @@ class RunDir:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_holder(fd)
+            holder = _holder(fd, self.path / LOCK_NAME)
             os.close(fd)
             raise UsageError(
                 f"run {self.path} is in use by another run{f' ({holder})' if holder else ''}; wait for it to "
@@ -244,8 +244,39 @@ class RunDir:
                     self.path / name, e.strerror or e, free_space(self.path), self.path)
 
 
-def _read_holder(fd: int) -> str:
+def _holder(fd: int, path: Path) -> str:
+    """Who holds the lock: what the holder recorded once it started writing, checked against the kernel's
+    list of locks on this host (a holder still starting has not replaced the previous run's record)."""
     try:
-        return os.pread(fd, 200, 0).decode(errors="replace").strip()
+        recorded = os.pread(fd, 200, 0).decode(errors="replace").strip()
     except OSError:
-        return ""
+        recorded = ""
+    pids = _local_lock_pids(path)
+    if not pids:  # held from another host (a shared filesystem), or /proc/locks unreadable
+        return recorded
+    if recorded.startswith(f"pid {pids[0]} "):
+        return recorded
+    return f"pid {pids[0]} on this host, still starting"
+
+
+def _local_lock_pids(path: Path) -> list[int]:
+    """Pids holding a flock on `path`, from /proc/locks (Linux; empty elsewhere)."""
+    try:
+        st = os.stat(path)
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    pids = []
+    for line in lines:  # "3: FLOCK  ADVISORY  WRITE 4242 00:2f:1234567 0 EOF"; waiters carry "->"
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != "FLOCK" or "->" in parts:
+            continue
+        try:
+            major, minor, inode = parts[5].split(":")
+            same = (int(inode) == st.st_ino and int(major, 16) == os.major(st.st_dev)
+                    and int(minor, 16) == os.minor(st.st_dev))
+            if same:
+                pids.append(int(parts[4]))
+        except ValueError:
+            continue
+    return pids

@@ -470,3 +470,22 @@ def test_help_shows_the_accepted_range_of_every_bounded_key():
     for key, (low, high) in config.LIMITS.items():
         at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{key}="))
         assert f"[accepted: {low:,} to {high:,}]" in lines[at + 1], key
+
+
+def test_lock_names_its_holder_even_while_it_starts(tmp_path):
+    """flock is per open file, so a second RunDir in this process stands for a second command."""
+    from job.errors import UsageError
+    from job.rundir import LOCK_NAME, RunDir
+
+    first = RunDir(tmp_path / "r")
+    first.acquire()
+    (tmp_path / "r" / LOCK_NAME).write_text("pid 1 on elsewhere, started 2020-01-01 00:00:00 UTC\n")  # a dead run's record
+    with pytest.raises(UsageError, match=f"in use by another run \\(pid {os.getpid()} on this host, still starting\\)"):
+        RunDir(tmp_path / "r").acquire()
+    first.start_writing(resumed_step=None)
+    with pytest.raises(UsageError, match=f"in use by another run \\(pid {os.getpid()} on {socket.gethostname()}, started"):
+        RunDir(tmp_path / "r").acquire()
+    first.release()
+    again = RunDir(tmp_path / "r")
+    again.acquire()  # released: free again
+    again.release()
