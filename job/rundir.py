@@ -28,6 +28,7 @@ import re
 import shutil
 import socket
 import time
+import weakref
 from pathlib import Path
 
 from job.errors import UsageError
@@ -162,11 +163,14 @@ class RunDir:
             return
         self._fd, self.locked = fd, True
         if self.created:  # a start refused later (a busy port, a bad first batch) leaves no empty run behind
-            atexit.register(self._forget_if_unused)
+            atexit.register(_end, weakref.ref(self))  # weak: the lock goes with the trainer, not at exit
 
-    def _forget_if_unused(self) -> None:
-        if not self._writing:
+    def end(self) -> None:
+        """Let go; a run directory this process created and never wrote to is removed again."""
+        if self.created and not self._writing:
             self.refused()
+        else:
+            self.release()
 
     def refused(self) -> None:
         """Start-up was refused: let go, and leave no trace of a run directory this process created."""
@@ -185,7 +189,10 @@ class RunDir:
             self._fd, self.locked = None, False
 
     def __del__(self):
-        self.release()
+        try:
+            self.end()
+        except Exception:  # at interpreter shutdown
+            pass
 
     # -- first writes ----------------------------------------------------------------------------
     def start_writing(self, *, resumed_step: int | None) -> None:
@@ -242,6 +249,12 @@ class RunDir:
         self._warned.add(name)
         log.warning("cannot write %s (%s; %s free there): training goes on without it; free space under %s",
                     self.path / name, e.strerror or e, free_space(self.path), self.path)
+
+
+def _end(ref: weakref.ref) -> None:
+    rd = ref()
+    if rd is not None:
+        rd.end()
 
 
 def _holder(fd: int, path: Path) -> str:
