@@ -82,16 +82,22 @@ def write_atomic(path: Path, text: str) -> None:
 
 def append_line(path: Path, line: str) -> None:
     """Append one line; on failure cut the file back to where it was (a torn line would break readers)."""
-    with open(path, "a") as f:
-        start = f.tell()
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
         try:
-            f.write(line + "\n")
-            f.flush()
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
         except OSError:
             try:
-                f.truncate(start)
-            finally:
-                raise
+                os.ftruncate(fd, start)
+            except OSError:
+                pass  # the reader skips a torn last line (truncate_records)
+            raise
+    finally:
+        os.close(fd)
 
 
 def truncate_records(path: Path, step: int) -> int:
