@@ -489,3 +489,43 @@ def test_lock_names_its_holder_even_while_it_starts(tmp_path):
     again = RunDir(tmp_path / "r")
     again.acquire()  # released: free again
     again.release()
+
+
+def test_a_rank_that_cannot_see_rank_0s_checkpoint_says_so(tmp_path):
+    """Rank 1 runs in its own mount namespace where the run directory is an empty tmpfs: a node without the
+    shared storage. It names the problem; the job ends (through job.failure's path for a failing rank)."""
+    pytest.importorskip("job.failure", reason="needs the failing-rank path (job/failure.py) to end rank 0")
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        if IN_CI:
+            pytest.fail("CI runs as root with util-linux: unshare -m must work")
+        pytest.skip("needs root and unshare -m (a private mount namespace)")
+    runs = tmp_path / "runs"
+    common = [*SMALL, f"train.run_dir={runs}", "train.run_id=x", "strategy=ddp", "train.batch_size=16"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(job_cmd("train", *common, "strategy.nprocs=2", "train.steps=4"), cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        renv = {**env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        cmd = job_cmd("train", *common, "train.steps=8")
+        if rank == 1:
+            cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{runs}" && exec "$0" "$@"', *cmd]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=renv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        outs = [pr.communicate(timeout=120) for pr in procs]
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+    assert procs[1].returncode == 2, outs[1][1]
+    assert procs[0].returncode != 0, outs[0][1]
+    ck = runs / "x" / "checkpoints" / "step_00000004.pt"
+    assert f"cannot see checkpoint {ck}, which rank 0 resumes from" in outs[1][1]
+    assert "Traceback" not in outs[0][1] + outs[1][1]
+    assert torch.load(ck, weights_only=True)["step"] == 4  # rank 0 kept it as it was
