@@ -132,14 +132,14 @@ def load(path: Path) -> dict:
             warnings.simplefilter("ignore")
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        if "Weights only load failed" in str(e):
+        if "Weights only load failed" in str(e) and "GLOBAL" in str(e):
             raise UsageError(
                 f"checkpoint {path} holds Python objects other than tensors and plain data ({_unsafe_detail(e)}) "
                 "and was not loaded: unpickling it could run code. Resume from a checkpoint this job wrote, "
                 "or set train.resume=never"
             ) from None
         raise UsageError(
-            f"checkpoint {path} is corrupt or not a checkpoint ({type(e).__name__}); delete it to resume from "
+            f"checkpoint {path} is corrupt or not a checkpoint ({type(e).__name__}{_detail(e)}); delete it to resume from "
             "an earlier one, or set train.resume=never"
         ) from None
     if not isinstance(state, dict) or state.get("format") != FORMAT_VERSION or "model" not in state:
@@ -154,6 +154,10 @@ def load(path: Path) -> dict:
                 "training checkpoint: delete it to resume from an earlier one, or set train.resume=never"
             )
     return state
+
+
+def _detail(e: Exception) -> str:
+    return f": {_unsafe_detail(e)}" if "Weights only load failed" in str(e) else ""
 
 
 def _unsafe_detail(e: Exception) -> str:

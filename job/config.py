@@ -75,10 +75,10 @@ class WorkloadCfg:
 @dataclass
 class TrainCfg:
     steps: int = 200
-    """Optimizer steps to run in total, 1 to 99,999,999 (a resumed run continues up to this count; one
+    """Optimizer steps to run in total (a resumed run continues up to this count; one
     whose checkpoint is at or past it has nothing to do, exits 0 and is left untouched)."""
     batch_size: int = 64
-    """Global batch per optimizer step, over all cards and micro-steps (1 to 1,048,576)."""
+    """Global batch per optimizer step, over all cards and micro-steps."""
     accum_steps: int = 1
     """Micro-batches accumulated per optimizer step (DDP all-reduces only on the last)."""
     optimizer: str = "sgd"
@@ -104,7 +104,7 @@ class TrainCfg:
     cudnn_benchmark: bool = True
     """Let cuDNN autotune convolutions (dp/balanced turn it off: see their log line)."""
     seed: int = 0
-    """Seed for weights and synthetic data, 0 to 4,294,967,295."""
+    """Seed for weights and synthetic data."""
     device: str = "auto"
     """auto (all visible GPUs, else CPU) | cuda | cpu."""
     run_dir: str = "runs"
@@ -134,7 +134,7 @@ class DataCfg:
     """imagefolder: root folder with one sub-folder per class, each holding at least one image (checked
     at start); a file that does not decode stops the run with a line naming it, exit 2."""
     workers: int = 0
-    """imagefolder: DataLoader worker processes (0 to 256)."""
+    """imagefolder: DataLoader worker processes."""
     prefetch: bool = False
     """Copy the next batch to the GPU on a side CUDA stream while the current one computes."""
     synthetic_pool: int = 64
@@ -494,7 +494,8 @@ def validate(cfg) -> None:
     for key, (low, high) in LIMITS.items():
         value = OmegaConf.select(cfg, key)
         if not low <= value <= high:
-            raise UsageError(f"`{key}={value}` is out of range{WHY.get(key, '')}; use {low:,} to {high:,}")
+            why = WHY.get(key, "") if value > high else ""
+            raise UsageError(f"`{key}={value}` is out of range{why}; use {low:,} to {high:,}")
     _check_floats(cfg)
     if not (0 <= t.grad_clip < float("inf")):
         raise UsageError(f"`train.grad_clip={t.grad_clip}` must be a finite norm >= 0 (0: no clipping)")
@@ -590,6 +591,9 @@ def help_text() -> str:
             default = OmegaConf.to_container(base[section])[key]
             lines.append(f"  {section}.{key}={default}")
             doc = docs.get(f"{cls_name}.{key}")
+            bounds = LIMITS.get(f"{section}.{key}")
+            if bounds:  # what validate() accepts, so the help and the refusal never disagree
+                doc = f"{doc or ''} [accepted: {bounds[0]:,} to {bounds[1]:,}]".strip()
             if doc:
                 lines.append(f"      {doc}")
     return "\n".join(lines)

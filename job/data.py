@@ -86,11 +86,14 @@ class BadImage(UsageError):
 
 def load_image(path: str):
     """torchvision's default loader, with a decode failure turned into one line naming the file."""
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with open(path, "rb") as f:
             return Image.open(f).convert("RGB")
+    except UnidentifiedImageError:
+        reason = "not an image format PIL knows, or a damaged header"
+        raise BadImage(f"cannot read image {path} ({reason}); fix or remove the file") from None
     except Exception as e:
         reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise BadImage(f"cannot read image {path} ({reason}); fix or remove the file") from None

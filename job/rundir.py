@@ -28,6 +28,7 @@ import re
 import shutil
 import socket
 import time
+import weakref
 from pathlib import Path
 
 from job.errors import UsageError
@@ -81,16 +82,22 @@ def write_atomic(path: Path, text: str) -> None:
 
 def append_line(path: Path, line: str) -> None:
     """Append one line; on failure cut the file back to where it was (a torn line would break readers)."""
-    with open(path, "a") as f:
-        start = f.tell()
+    data = (line + "\n").encode()
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        start = os.lseek(fd, 0, os.SEEK_END)
         try:
-            f.write(line + "\n")
-            f.flush()
+            done = 0
+            while done < len(data):
+                done += os.write(fd, data[done:])
         except OSError:
             try:
-                f.truncate(start)
-            finally:
-                raise
+                os.ftruncate(fd, start)
+            except OSError:
+                pass  # the reader skips a torn last line (truncate_records)
+            raise
+    finally:
+        os.close(fd)
 
 
 def truncate_records(path: Path, step: int) -> int:
@@ -146,7 +153,7 @@ class RunDir:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = _read_holder(fd)
+            holder = _holder(fd, self.path / LOCK_NAME)
             os.close(fd)
             raise UsageError(
                 f"run {self.path} is in use by another run{f' ({holder})' if holder else ''}; wait for it to "
@@ -162,11 +169,14 @@ class RunDir:
             return
         self._fd, self.locked = fd, True
         if self.created:  # a start refused later (a busy port, a bad first batch) leaves no empty run behind
-            atexit.register(self._forget_if_unused)
+            atexit.register(_end, weakref.ref(self))  # weak: the lock goes with the trainer, not at exit
 
-    def _forget_if_unused(self) -> None:
-        if not self._writing:
+    def end(self) -> None:
+        """Let go; a run directory this process created and never wrote to is removed again."""
+        if self.created and not self._writing:
             self.refused()
+        else:
+            self.release()
 
     def refused(self) -> None:
         """Start-up was refused: let go, and leave no trace of a run directory this process created."""
@@ -185,7 +195,10 @@ class RunDir:
             self._fd, self.locked = None, False
 
     def __del__(self):
-        self.release()
+        try:
+            self.end()
+        except Exception:  # at interpreter shutdown
+            pass
 
     # -- first writes ----------------------------------------------------------------------------
     def start_writing(self, *, resumed_step: int | None) -> None:
@@ -244,8 +257,45 @@ class RunDir:
                     self.path / name, e.strerror or e, free_space(self.path), self.path)
 
 
-def _read_holder(fd: int) -> str:
+def _end(ref: weakref.ref) -> None:
+    rd = ref()
+    if rd is not None:
+        rd.end()
+
+
+def _holder(fd: int, path: Path) -> str:
+    """Who holds the lock: what the holder recorded once it started writing, checked against the kernel's
+    list of locks on this host (a holder still starting has not replaced the previous run's record)."""
     try:
-        return os.pread(fd, 200, 0).decode(errors="replace").strip()
+        recorded = os.pread(fd, 200, 0).decode(errors="replace").strip()
     except OSError:
-        return ""
+        recorded = ""
+    pids = _local_lock_pids(path)
+    if not pids:  # held from another host (a shared filesystem), or /proc/locks unreadable
+        return recorded
+    if recorded.startswith(f"pid {pids[0]} "):
+        return recorded
+    return f"pid {pids[0]} on this host, still starting"
+
+
+def _local_lock_pids(path: Path) -> list[int]:
+    """Pids holding a flock on `path`, from /proc/locks (Linux; empty elsewhere)."""
+    try:
+        st = os.stat(path)
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    pids = []
+    for line in lines:  # "3: FLOCK  ADVISORY  WRITE 4242 00:2f:1234567 0 EOF"; waiters carry "->"
+        parts = line.split()
+        if len(parts) < 6 or parts[1] != "FLOCK" or "->" in parts:
+            continue
+        try:
+            major, minor, inode = parts[5].split(":")
+            same = (int(inode) == st.st_ino and int(major, 16) == os.major(st.st_dev)
+                    and int(minor, 16) == os.minor(st.st_dev))
+            if same:
+                pids.append(int(parts[4]))
+        except ValueError:
+            continue
+    return pids

@@ -324,6 +324,11 @@ class Trainer:
             raise (UsageError if self.is_main else PeerUsageError)(verdict["error"])
         path = Path(verdict["path"]) if verdict["path"] else None
         if path is not None and not self.is_main:
+            if not path.is_file():
+                raise UsageError(
+                    f"cannot see checkpoint {path}, which rank 0 resumes from; put train.run_dir on storage "
+                    "that every node shares"
+                )
             state = ckpt.load(path)
             ckpt.restore_model(self.model, state, path, self.cfg.workload.name)
         return state, path

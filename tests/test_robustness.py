@@ -85,7 +85,7 @@ class _Plant:
         return (os.system, (f"touch {self.marker}",))
 
 
-@pytest.mark.parametrize("kind", ["torch-zip", "raw-pickle"])
+@pytest.mark.parametrize("kind", ["torch-zip", "raw-pickle", "raw-pickle-protocol-4"])
 def test_planted_pickle_runs_no_code(tmp_path, kind):
     assert train(tmp_path, "p", "strategy=dp", "train.steps=2").returncode == 0
     ck = checkpoints(tmp_path / "p")[-1]
@@ -94,7 +94,7 @@ def test_planted_pickle_runs_no_code(tmp_path, kind):
     if kind == "torch-zip":
         torch.save(plant, ck)
     else:
-        ck.write_bytes(pickle.dumps(plant, protocol=2))
+        ck.write_bytes(pickle.dumps(plant, protocol=4 if kind.endswith("4") else 2))
     # The plant is real: an unsafe load runs it.
     subprocess.run([sys.executable, "-c", f"import torch; torch.load({str(ck)!r}, weights_only=False)"],
                    capture_output=True, timeout=120)
@@ -105,7 +105,11 @@ def test_planted_pickle_runs_no_code(tmp_path, kind):
     p = train(tmp_path, "p", "strategy=dp", "train.steps=4")
     assert p.returncode == 2, p.stderr
     line = one_error(p.stderr)
-    assert "holds Python objects other than tensors and plain data" in line and str(ck) in line, line
+    assert str(ck) in line, line
+    if kind.endswith("4"):  # torch's weights-only reader stops at the protocol-4 framing, before any global
+        assert "is corrupt or not a checkpoint" in line, line
+    else:
+        assert "holds Python objects other than tensors and plain data" in line and "posix.system" in line, line
     assert not marker.exists(), "loading the checkpoint ran code"
     assert snapshot(tmp_path / "p") == before
 
@@ -155,9 +159,12 @@ def no_temp_files(run: Path) -> None:
     assert not left, left
 
 
-def test_disk_full_at_a_periodic_checkpoint_keeps_the_last_one(small_disk):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_disk_full_at_a_periodic_checkpoint_keeps_the_last_one(small_disk, ranks):
+    """Rank 0 fails to write; with 2 ranks, rank 1 learns it in the same collective and both stop."""
     run = small_disk / "f"
-    proc = start(small_disk, "f", "strategy=dp", "train.steps=100000", "train.checkpoint_every=10")
+    how = ["strategy=dp"] if ranks == 1 else ["strategy=ddp", "strategy.nprocs=2", "train.batch_size=16"]
+    proc = start(small_disk, "f", *how, "train.steps=100000", "train.checkpoint_every=10")
     deadline = time.monotonic() + 180
     while not (run / "checkpoints" / "step_00000010.pt").exists():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
@@ -173,7 +180,7 @@ def test_disk_full_at_a_periodic_checkpoint_keeps_the_last_one(small_disk):
     no_temp_files(run)
 
     (small_disk / "filler").unlink()  # space again: the same command resumes
-    p = train(small_disk, "f", "strategy=dp", "train.steps=14", "train.checkpoint_every=10")
+    p = train(small_disk, "f", *how, "train.steps=14", "train.checkpoint_every=10")
     assert p.returncode == 0, p.stderr
     assert "resumed from" in p.stderr and "step_00000010.pt" in p.stderr
     steps = metric_steps(run)
@@ -311,14 +318,9 @@ def test_refused_commands_leave_the_run_byte_identical(tmp_path):
     busy = _busy_port()
     cases = {
         "lr nan": (["train.lr=nan"], "train.lr=nan"),
-        "lr negative": (["train.lr=-0.1"], "train.lr=-0.1"),
         "seed": ([f"train.seed={2**32}"], "train.seed"),
         "steps": (["train.steps=100000000"], "8 digits"),
-        "zero batch": (["train.batch_size=0"], "train.batch_size=0"),
-        "momentum": (["train.momentum=1.5"], "train.momentum=1.5"),
         "weight decay": (["train.weight_decay=100"], "lr x weight_decay"),
-        "dropout": (["workload.dropout=1"], "workload.dropout"),
-        "absurd width": (["workload.width=100000"], "workload.width"),
         "optimizer": (["train.optimizer=adamw"], "holds sgd optimizer state but train.optimizer=adamw"),
         "model shape": (["workload.width=16"], "does not fit this model"),
         "empty imagefolder": (["data.kind=imagefolder", f"data.path={empty}"], "holds no class folders"),
@@ -459,3 +461,71 @@ def test_ranks_resume_the_checkpoint_rank_0_chose(tmp_path):
     assert f"resumed from {a / 'runs' / 'x' / 'checkpoints' / 'step_00000004.pt'}" in outs[0][1]
     assert not (b / "runs").exists()  # rank 1 wrote nothing of its own
     assert torch.load(checkpoints(a / "runs" / "x")[-1], weights_only=True)["step"] == 8
+
+
+def test_help_shows_the_accepted_range_of_every_bounded_key():
+    from job import config
+
+    lines = config.help_text().splitlines()
+    for key, (low, high) in config.LIMITS.items():
+        at = next(i for i, line in enumerate(lines) if line.strip().startswith(f"{key}="))
+        assert f"[accepted: {low:,} to {high:,}]" in lines[at + 1], key
+
+
+def test_lock_names_its_holder_even_while_it_starts(tmp_path):
+    """flock is per open file, so a second RunDir in this process stands for a second command."""
+    from job.errors import UsageError
+    from job.rundir import LOCK_NAME, RunDir
+
+    first = RunDir(tmp_path / "r")
+    first.acquire()
+    (tmp_path / "r" / LOCK_NAME).write_text("pid 1 on elsewhere, started 2020-01-01 00:00:00 UTC\n")  # a dead run's record
+    with pytest.raises(UsageError, match=f"in use by another run \\(pid {os.getpid()} on this host, still starting\\)"):
+        RunDir(tmp_path / "r").acquire()
+    first.start_writing(resumed_step=None)
+    with pytest.raises(UsageError, match=f"in use by another run \\(pid {os.getpid()} on {socket.gethostname()}, started"):
+        RunDir(tmp_path / "r").acquire()
+    first.release()
+    again = RunDir(tmp_path / "r")
+    again.acquire()  # released: free again
+    again.release()
+
+
+def test_a_rank_that_cannot_see_rank_0s_checkpoint_says_so(tmp_path):
+    """Rank 1 runs in its own mount namespace where the run directory is an empty tmpfs: a node without the
+    shared storage. It names the problem; the job ends (through job.failure's path for a failing rank)."""
+    pytest.importorskip("job.failure", reason="needs the failing-rank path (job/failure.py) to end rank 0")
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode:
+        if IN_CI:
+            pytest.fail("CI runs as root with util-linux: unshare -m must work")
+        pytest.skip("needs root and unshare -m (a private mount namespace)")
+    runs = tmp_path / "runs"
+    common = [*SMALL, f"train.run_dir={runs}", "train.run_id=x", "strategy=ddp", "train.batch_size=16"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(job_cmd("train", *common, "strategy.nprocs=2", "train.steps=4"), cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in (0, 1):
+        renv = {**env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        cmd = job_cmd("train", *common, "train.steps=8")
+        if rank == 1:
+            cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{runs}" && exec "$0" "$@"', *cmd]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=renv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        outs = [pr.communicate(timeout=120) for pr in procs]
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+    assert procs[1].returncode == 2, outs[1][1]
+    assert procs[0].returncode != 0, outs[0][1]
+    ck = runs / "x" / "checkpoints" / "step_00000004.pt"
+    assert f"cannot see checkpoint {ck}, which rank 0 resumes from" in outs[1][1]
+    assert "Traceback" not in outs[0][1] + outs[1][1]
+    assert torch.load(ck, weights_only=True)["step"] == 4  # rank 0 kept it as it was
