@@ -517,6 +517,21 @@ def test_tenant_holds_memory_until_stopped():
     assert t.proc.poll() is not None
     with pytest.raises(bench.UsageError, match=r"could not hold 1e\+06 GB on cpu .*lower bench.tenant_gb"):
         bench.Tenant(1e6, "cpu").start()
+    # A bench that dies without stopping it (SIGKILL, os._exit): the tenant sees its pipe close and exits.
+    code = "import os\nfrom job.bench import Tenant\nprint(Tenant(0.05, 'cpu').start().pid, flush=True)\nos._exit(9)"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    pid = int(p.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"tenant {pid} outlived the bench"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
 
 
 # -- imagefolder --------------------------------------------------------------------------------
