@@ -628,7 +628,7 @@ def test_bench_on_two_gpus(tmp_path):
     """The real thing, small: lm with 2 layers on the first 2 cards: dp piles up on card 0, ddp does not."""
     out = tmp_path / "g"
     args = ["workload=lm", "workload.layers=2", "train.amp=bf16", "bench.warmup=5", "bench.steps=10",
-            f"bench.out={out}", "strategies=[dp,ddp]", "bench.telemetry_overhead=true"]
+            f"bench.out={out}", "strategies=[dp,ddp]", "bench.telemetry_overhead=true", "bench.repeats=1"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}
     p = subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
