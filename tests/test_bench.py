@@ -517,6 +517,21 @@ def test_tenant_holds_memory_until_stopped():
     assert t.proc.poll() is not None
     with pytest.raises(bench.UsageError, match=r"could not hold 1e\+06 GB on cpu .*lower bench.tenant_gb"):
         bench.Tenant(1e6, "cpu").start()
+    # A bench that dies without stopping it (SIGKILL, os._exit): the tenant sees its pipe close and exits.
+    code = "import os\nfrom job.bench import Tenant\nprint(Tenant(0.05, 'cpu').start().pid, flush=True)\nos._exit(9)"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    pid = int(p.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"tenant {pid} outlived the bench"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
 
 
 # -- imagefolder --------------------------------------------------------------------------------
@@ -613,7 +628,7 @@ def test_bench_on_two_gpus(tmp_path):
     """The real thing, small: lm with 2 layers on the first 2 cards: dp piles up on card 0, ddp does not."""
     out = tmp_path / "g"
     args = ["workload=lm", "workload.layers=2", "train.amp=bf16", "bench.warmup=5", "bench.steps=10",
-            f"bench.out={out}", "strategies=[dp,ddp]", "bench.telemetry_overhead=true"]
+            f"bench.out={out}", "strategies=[dp,ddp]", "bench.telemetry_overhead=true", "bench.repeats=1"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}
     p = subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
