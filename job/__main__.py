@@ -61,19 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted (Ctrl-C); the last checkpoint written, if any, is kept", file=sys.stderr)
         return 130
-    except _oom_type() as e:
-        first = str(e).splitlines()[0] if str(e) else "out of memory"
-        print(f"error: {first}; lower train.batch_size, or try train.amp=bf16, "
-              "train.activation_checkpointing=true or strategy=ddp", file=sys.stderr)
-        return EXIT_USAGE
+    except Exception as e:  # a crash of a one-process command: one line; a bug's traceback goes to a file
+        from job import failure
 
-
-def _oom_type():
-    if "torch" in sys.modules:
-        import torch
-
-        return torch.OutOfMemoryError
-    return ()
+        line, code = failure.describe(e)
+        print(f"error: {line}{failure.traceback_note(e, rank=0, log_dir=None)}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

@@ -68,7 +68,8 @@ def describe(exc: BaseException) -> tuple[str, int]:
 
     if isinstance(exc, UsageError):
         return str(exc), EXIT_USAGE
-    if isinstance(exc, torch.OutOfMemoryError):
+    if isinstance(exc, torch.OutOfMemoryError) or (
+            isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):  # the CPU allocator's
         first = _first_line(exc) or "out of memory"
         return f"{first}; {OOM_FIX}", EXIT_CRASH
     if isinstance(exc, KeyboardInterrupt):
@@ -139,7 +140,7 @@ def fail(exc: BaseException, *, env, device, timeout_s: float, cleanup=None, log
         store = None
     elif not collective:
         if not isinstance(exc, PeerUsageError):  # a refusal every rank reached together: rank 0 says it
-            _say(f"error: {who(env, device)}: {line}{_traceback_note(exc, env, log_dir)}")
+            _say(f"error: {who(env, device)}: {line}{traceback_note(exc, rank=env.rank, log_dir=log_dir)}")
         _tell(store, env, "failed", line)  # before the abort: the peers learn of it when theirs fail
         launch.abort_group()
     else:
@@ -185,7 +186,7 @@ def _watchdog(code: int) -> None:
     t.start()
 
 
-def _traceback_note(exc: BaseException, env, log_dir: Path | None) -> str:
+def traceback_note(exc: BaseException, *, rank: int, log_dir: Path | None) -> str:
     """A bug's full traceback goes to a file (the terminal keeps one line per failure)."""
     import torch
 
@@ -194,11 +195,11 @@ def _traceback_note(exc: BaseException, env, log_dir: Path | None) -> str:
     text = "".join(traceback.format_exception(exc))
     try:
         if log_dir is not None and log_dir.is_dir():
-            path = log_dir / f"rank{env.rank}-error.txt"
+            path = log_dir / f"rank{rank}-error.txt"
         else:  # failed before the run directory existed
             import tempfile
 
-            path = Path(tempfile.gettempdir()) / f"job-rank{env.rank}-error-{os.getpid()}.txt"
+            path = Path(tempfile.gettempdir()) / f"job-rank{rank}-error-{os.getpid()}.txt"
         path.write_text(text)
         return f"; traceback: {path}"
     except OSError:

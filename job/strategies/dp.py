@@ -27,20 +27,22 @@ class DataParallelStrategy(Strategy):
         if self.device.type == "cuda" and len(self.devices) > 1:
             disable_cudnn_autotune(self.name, self.devices)
             # Outputs are gathered on GPU 0 and the loss is computed there (base.loss): the stock recipe.
-            self.autocast = _ReplicaAutocast(self.forward)
-            self.forward = nn.DataParallel(self.autocast, device_ids=[d.index for d in self.devices],
-                                           output_device=self.devices[0].index)
-
-    def loss(self, x, y):
-        if hasattr(self, "autocast"):  # the replicas copy this attribute when DataParallel replicates
-            self.autocast.amp = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-        return super().loss(x, y)
+            self.forward = _DataParallel(_ReplicaAutocast(self.forward), device_ids=[d.index for d in self.devices],
+                                         output_device=self.devices[0].index)
 
     def even_sizes(self, micro_batch: int) -> list[int]:
         """What DataParallel's scatter gives each card: torch.chunk's sizes (ceil; later cards may get less)."""
         n = len(self.devices)
         size = -(-micro_batch // n)
         return [max(0, min(size, micro_batch - k * size)) for k in range(n)]
+
+
+class _DataParallel(nn.DataParallel):
+    """Stock DataParallel; before replicating, it records the caller's autocast (its replicas copy it)."""
+
+    def forward(self, *inputs, **kwargs):
+        self.module.amp = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        return super().forward(*inputs, **kwargs)
 
 
 class _ReplicaAutocast(nn.Module):
