@@ -27,7 +27,7 @@ LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_A
 
 def clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return {**env, **extra}
 
 
@@ -281,6 +281,7 @@ time.sleep(3600)
 
 
 @requires_gpus(2)
+@pytest.mark.gpu
 def test_real_out_of_memory_on_rank0_ends_a_two_gpu_job(tmp_path):
     """Another process leaves ~3 GB free on card 0; the lm at batch 64 needs far more: rank 0 runs out of
     memory, the job ends within the bound and the error appears once."""
