@@ -69,8 +69,9 @@ def describe(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, UsageError):
         return str(exc), EXIT_USAGE
     if isinstance(exc, torch.OutOfMemoryError):
-        first = _first_line(exc) or "out of memory"
-        return f"{first}; {OOM_FIX}", EXIT_CRASH
+        # torch's message: what was asked, the card's size and free memory, who holds it; then allocator advice.
+        first = re.split(r"\.\s+(?=Of the allocated|If reserved|See documentation)", _first_line(exc))[0]
+        return f"{(first or 'out of memory').rstrip('.')}; {OOM_FIX}", EXIT_CRASH
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted (Ctrl-C); the last checkpoint written, if any, is kept", EXIT_CTRL_C
     if isinstance(exc, SystemExit):
