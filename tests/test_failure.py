@@ -131,6 +131,20 @@ def test_a_failing_rank_ends_the_job_within_the_bound(tmp_path, fault, said, cod
         assert "injected fault" in (tmp_path / "f" / "rank1-error.txt").read_text()
 
 
+def test_bad_input_seen_by_every_rank_is_said_once(tmp_path):
+    """A corrupt checkpoint: every rank finds it bad; the job says so once, exit 2, the file is kept."""
+    rc, _ = train(tmp_path, "b", *DDP2, "train.steps=2").finish()
+    assert rc == 0
+    ckpt = sorted((tmp_path / "b" / "checkpoints").glob("step_*.pt"))[-1]
+    ckpt.write_bytes(b"not a checkpoint")
+    job = train(tmp_path, "b", *DDP2, "train.steps=4")
+    rc, _ = job.finish()
+    assert rc == 2, job.text
+    errors = [line for _, line in job.lines if line.startswith("error:")]
+    assert len(errors) == 1 and str(ckpt.name) in errors[0], job.text
+    assert ckpt.read_bytes() == b"not a checkpoint"
+
+
 def test_killing_the_launcher_leaves_no_rank_running(tmp_path):
     job = train(tmp_path, "k", *DDP2, "train.steps=100000")
     pids = job.rank_pids()
