@@ -67,8 +67,12 @@ def describe(exc: BaseException) -> tuple[str, int]:
     """The one line for an exception and the exit code it ends the process with."""
     import torch
 
+    from job.launch import RendezvousError
+
     if isinstance(exc, UsageError):
         return str(exc), EXIT_USAGE
+    if isinstance(exc, RendezvousError):
+        return str(exc), EXIT_CRASH
     if isinstance(exc, torch.OutOfMemoryError):
         # torch's message: what was asked, the card's size and free memory, who holds it; then allocator advice.
         first = re.split(r"\.\s+(?=Of the allocated|If reserved|See documentation)", _first_line(exc))[0]
@@ -193,7 +197,9 @@ def _traceback_note(exc: BaseException, env, log_dir: Path | None) -> str:
     """A bug's full traceback goes to a file (the terminal keeps one line per failure)."""
     import torch
 
-    if isinstance(exc, (UsageError, torch.OutOfMemoryError, KeyboardInterrupt, SystemExit)):
+    from job.launch import RendezvousError
+
+    if isinstance(exc, (UsageError, RendezvousError, torch.OutOfMemoryError, KeyboardInterrupt, SystemExit)):
         return ""
     text = "".join(traceback.format_exception(exc))
     try:

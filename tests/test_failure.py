@@ -264,6 +264,20 @@ def test_bad_launch_environment_is_refused(tmp_path, env, message):
     assert not (tmp_path / "e").exists()
 
 
+def test_a_rank_whose_peers_never_come_gives_up_with_one_line(tmp_path):
+    """Rank 1 alone (rank 0 never started): the rendezvous ends after strategy.timeout_s with one line and
+    none of c10d's C++ stacks."""
+    port = {"MASTER_PORT": "29598", "RANK": "1", "LOCAL_RANK": "1"}
+    job = Job(job_cmd("train", *SMALL, f"train.run_dir={tmp_path}", "train.run_id=r", "strategy=ddp",
+                      "strategy.timeout_s=3", "train.steps=3"), clean_env(**{**LAUNCHED, **port}))
+    rc, end = job.finish(timeout=60)
+    assert rc == 1, job.text
+    assert [line for _, line in job.lines if line.strip()] == [
+        line for _, line in job.lines if "did not meet at 127.0.0.1:29598 within strategy.timeout_s=3 s" in line], \
+        job.text
+    assert end - job.t0 < BOUND_S
+
+
 def test_local_rank_is_derived_only_where_it_is_known():
     from job.errors import UsageError
     from job.launch import dist_env
