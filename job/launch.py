@@ -4,7 +4,7 @@
   MASTER_ADDR and MASTER_PORT are set; `init_group` joins.
 - Run as a plain command: `spawn` re-runs `python -m job train` once per rank with those variables set
   (the resolved config passed as a file, so every rank sees the same run id), forwards SIGTERM/SIGINT/
-  SIGUSR1/SIGUSR2 to the ranks and returns the worst exit code.
+  SIGUSR1/SIGUSR2 to the ranks and returns 0, 75, or the code of the rank that failed first.
 
 Failure (docs/failures.md): the ranks of a spawned job run in their own session (a terminal's Ctrl-C reaches
 the launcher once, which forwards it once) and die with the launcher (PR_SET_PDEATHSIG, plus each rank
