@@ -36,6 +36,7 @@ FAULT_VAR = "JOB_FAULT"
 STORE_TIMEOUT_S = 3.0  # each store operation on the error path
 ROLL_CALL_S = 3.0  # how long a rank waits for the others to say whether they are alive or failed
 HOST_LINGER_S = 4.0  # how long the rank hosting the store stays so its peers can read it
+USAGE_WAIT_S = 2.0  # how long a rank with bad input waits to see whether rank 0 reported the same
 WATCHDOG_S = 20.0  # the error path's own bound: exit even if an abort or the store hangs
 OOM_FIX = "lower train.batch_size, or try train.amp=bf16 or train.activation_checkpointing=true"
 
@@ -66,12 +67,17 @@ def describe(exc: BaseException) -> tuple[str, int]:
     """The one line for an exception and the exit code it ends the process with."""
     import torch
 
+    from job.launch import RendezvousError
+
     if isinstance(exc, UsageError):
         return str(exc), EXIT_USAGE
+    if isinstance(exc, RendezvousError):
+        return str(exc), EXIT_CRASH
     if isinstance(exc, torch.OutOfMemoryError) or (
             isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):  # the CPU allocator's
-        first = _first_line(exc) or "out of memory"
-        return f"{first}; {OOM_FIX}", EXIT_CRASH
+        # torch's message: what was asked, the card's size and free memory, who holds it; then allocator advice.
+        first = re.split(r"\.\s+(?=Of the allocated|If reserved|See documentation)", _first_line(exc))[0]
+        return f"{(first or 'out of memory').rstrip('.')}; {OOM_FIX}", EXIT_CRASH
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted (Ctrl-C); the last checkpoint written, if any, is kept", EXIT_CTRL_C
     if isinstance(exc, SystemExit):
@@ -139,7 +145,8 @@ def fail(exc: BaseException, *, env, device, timeout_s: float, cleanup=None, log
         launch.abort_group()
         store = None
     elif not collective:
-        if not isinstance(exc, PeerUsageError):  # a refusal every rank reached together: rank 0 says it
+        # A refusal every rank reached together (PeerUsageError), or the line rank 0 already said: quiet.
+        if not isinstance(exc, PeerUsageError) and not _said_by_rank0(store, env, exc, line):
             _say(f"error: {who(env, device)}: {line}{traceback_note(exc, rank=env.rank, log_dir=log_dir)}")
         _tell(store, env, "failed", line)  # before the abort: the peers learn of it when theirs fail
         launch.abort_group()
@@ -149,7 +156,9 @@ def fail(exc: BaseException, *, env, device, timeout_s: float, cleanup=None, log
         if not reachable:
             store = None
     if store is not None:
-        if _hosts_store(env) and collective:  # a failing host just leaves: its peers then see it gone
+        # A failing host just leaves (its peers then see it gone), unless its peers may be comparing their
+        # own bad-input error with its one.
+        if _hosts_store(env) and (collective or isinstance(exc, UsageError)):
             _linger(store, env, skip=missing)
         else:
             _tell(store, env, "done")  # read what it needed: the store's host may leave
@@ -190,7 +199,9 @@ def traceback_note(exc: BaseException, *, rank: int, log_dir: Path | None) -> st
     """A bug's full traceback goes to a file (the terminal keeps one line per failure)."""
     import torch
 
-    if isinstance(exc, (UsageError, torch.OutOfMemoryError, KeyboardInterrupt, SystemExit)):
+    from job.launch import RendezvousError
+
+    if isinstance(exc, (UsageError, RendezvousError, torch.OutOfMemoryError, KeyboardInterrupt, SystemExit)):
         return ""
     text = "".join(traceback.format_exception(exc))
     try:
@@ -260,6 +271,24 @@ def _prefix() -> str:
 def _tell(store, env, what: str, text: str = "1") -> None:
     if store is not None:
         _bounded(lambda: store.set(f"{_prefix()}{what}/{env.rank}", text), STORE_TIMEOUT_S)
+
+
+def _said_by_rank0(store, env, exc: BaseException, line: str) -> bool:
+    """Bad input is usually seen by every rank (the same config, the same checkpoint): a rank other than 0
+    stays quiet when rank 0 reported the very same line."""
+    if store is None or env.rank == 0 or not isinstance(exc, UsageError):
+        return False
+    key = f"{_prefix()}failed/0"
+
+    def same() -> bool:
+        deadline = time.monotonic() + USAGE_WAIT_S
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.1)
+        return store.get(key).decode(errors="replace") == line
+
+    return bool(_bounded(same, USAGE_WAIT_S + STORE_TIMEOUT_S, False))
 
 
 def _has(store, key: str) -> bool:

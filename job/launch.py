@@ -4,7 +4,7 @@
   MASTER_ADDR and MASTER_PORT are set; `init_group` joins.
 - Run as a plain command: `spawn` re-runs `python -m job train` once per rank with those variables set
   (the resolved config passed as a file, so every rank sees the same run id), forwards SIGTERM/SIGINT/
-  SIGUSR1/SIGUSR2 to the ranks and returns the worst exit code.
+  SIGUSR1/SIGUSR2 to the ranks and returns 0, 75, or the code of the rank that failed first.
 
 Failure (docs/failures.md): the ranks of a spawned job run in their own session (a terminal's Ctrl-C reaches
 the launcher once, which forwards it once) and die with the launcher (PR_SET_PDEATHSIG, plus each rank
@@ -115,6 +115,10 @@ def nprocs_for(cfg, cuda_count: int) -> int:
     return cuda_count if cuda_count and cfg.train.device != "cpu" else 1
 
 
+class RendezvousError(Exception):
+    """The ranks did not meet (one line, exit 1): a rank missing, or MASTER_ADDR/MASTER_PORT wrong."""
+
+
 def init_group(env: DistEnv, *, backend: str, device, timeout_s: float) -> None:
     """Join the group; `timeout_s` bounds the rendezvous and every collective (strategy.timeout_s)."""
     import torch.distributed as dist
@@ -123,8 +127,49 @@ def init_group(env: DistEnv, *, backend: str, device, timeout_s: float) -> None:
         return
     check_master()
     kw = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=timeout_s), **kw)
+    # c10d prints a C++ stack for every failed connection attempt: held back, and shown only if the
+    # rendezvous succeeds (then it is a warning worth seeing); a failure is the one line below.
+    with _stderr_held() as held:
+        try:
+            dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
+                                    timeout=timedelta(seconds=timeout_s), **kw)
+        except (RuntimeError, ValueError) as e:
+            held.drop()
+            reason = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+            where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+            raise RendezvousError(
+                f"the {env.world_size} ranks did not meet at {where} within strategy.timeout_s={timeout_s:g} s "
+                f"({reason}); check that every rank started and that MASTER_ADDR/MASTER_PORT name rank 0's host "
+                "and a free port"
+            ) from None
+
+
+class _stderr_held(contextlib.AbstractContextManager):
+    """File descriptor 2 goes to a temporary file inside the block; written out at the end unless dropped."""
+
+    def __enter__(self):
+        self.keep = True
+        sys.stderr.flush()
+        self.file = tempfile.TemporaryFile()
+        self.saved = os.dup(2)
+        os.dup2(self.file.fileno(), 2)
+        return self
+
+    def drop(self) -> None:
+        self.keep = False
+
+    def __exit__(self, *exc):
+        sys.stderr.flush()
+        os.dup2(self.saved, 2)
+        os.close(self.saved)
+        if self.keep:
+            self.file.seek(0)
+            held = self.file.read()
+            if held:
+                sys.stderr.write(held.decode(errors="replace"))
+                sys.stderr.flush()
+        self.file.close()
+        return False
 
 
 def destroy_group() -> None:

@@ -106,28 +106,43 @@ def checkpoints(tmp: Path, run_id: str) -> list[str]:
 
 
 # -- a rank fails: one line, everyone gone within the bound ---------------------------------------------------
-@pytest.mark.parametrize("fault,said", [
-    ("1:3:raise", r"^error: rank 1 \(cpu\): RuntimeError: injected fault"),
-    ("0:3:oom", r"^error: rank 0 \(cpu\): CUDA out of memory \(injected .*lower train.batch_size"),
-    ("1:3:kill", r"^error: rank 1 left without an error line"),
-    ("0:3:kill", r"^rank 1 \(cpu\): stopping: lost rank 0"),
-    ("1:3:stop", r"^error: rank 1 did not answer within strategy.timeout_s=5 s"),
-    ("0:3:stop", r"^error: rank 0 did not answer within strategy.timeout_s=5 s"),
+@pytest.mark.parametrize("fault,said,code", [
+    ("1:3:raise", r"^error: rank 1 \(cpu\): RuntimeError: injected fault", 1),
+    ("0:3:oom", r"^error: rank 0 \(cpu\): CUDA out of memory \(injected .*lower train.batch_size", 1),
+    ("1:3:kill", r"^error: rank 1 left without an error line", 137),
+    ("0:3:kill", r"^rank 1 \(cpu\): stopping: lost rank 0", 137),
+    ("1:3:stop", r"^error: rank 1 did not answer within strategy.timeout_s=5 s", 1),
+    ("0:3:stop", r"^error: rank 0 did not answer within strategy.timeout_s=5 s", 1),
 ], ids=["raise-rank1", "oom-rank0", "kill-rank1", "kill-rank0", "hang-rank1", "hang-rank0"])
-def test_a_failing_rank_ends_the_job_within_the_bound(tmp_path, fault, said):
+def test_a_failing_rank_ends_the_job_within_the_bound(tmp_path, fault, said, code):
+    """The launcher's exit code is the code of the rank that failed first (137: killed), not a peer's."""
     job = train(tmp_path, "f", *DDP2, "train.steps=200", "strategy.timeout_s=5", fault=fault)
     started = job.wait_for(r"^run f: ddp")  # the fault fires 3 steps (milliseconds) later
     pids = job.rank_pids()
     rc, end = job.finish()
     assert end - started < BOUND_S, f"job took {end - started:.1f} s after training started:\n{job.text}"
     assert wait_gone(pids, 1.0) == [], "a rank outlived the launcher"
-    assert rc not in (0, 2, 75), job.text
+    assert rc == code, job.text
     said_lines = [line for _, line in job.lines if re.search(said, line)]
     assert len(said_lines) == 1, job.text
     assert "Traceback" not in job.text and "frame #" not in job.text, job.text
     assert len([line for _, line in job.lines if line.startswith("error:")]) <= 1, job.text
     if fault.endswith("raise"):  # a bug's traceback is kept, in the run directory, not on the terminal
         assert "injected fault" in (tmp_path / "f" / "rank1-error.txt").read_text()
+
+
+def test_bad_input_seen_by_every_rank_is_said_once(tmp_path):
+    """A corrupt checkpoint: every rank finds it bad; the job says so once, exit 2, the file is kept."""
+    rc, _ = train(tmp_path, "b", *DDP2, "train.steps=2").finish()
+    assert rc == 0
+    ckpt = sorted((tmp_path / "b" / "checkpoints").glob("step_*.pt"))[-1]
+    ckpt.write_bytes(b"not a checkpoint")
+    job = train(tmp_path, "b", *DDP2, "train.steps=4")
+    rc, _ = job.finish()
+    assert rc == 2, job.text
+    errors = [line for _, line in job.lines if line.startswith("error:")]
+    assert len(errors) == 1 and str(ckpt.name) in errors[0], job.text
+    assert ckpt.read_bytes() == b"not a checkpoint"
 
 
 def test_killing_the_launcher_leaves_no_rank_running(tmp_path):
@@ -248,6 +263,20 @@ def test_bad_launch_environment_is_refused(tmp_path, env, message):
     assert message in job.text and "Traceback" not in job.text, job.text
     assert end - job.t0 < BOUND_S
     assert not (tmp_path / "e").exists()
+
+
+def test_a_rank_whose_peers_never_come_gives_up_with_one_line(tmp_path):
+    """Rank 1 alone (rank 0 never started): the rendezvous ends after strategy.timeout_s with one line and
+    none of c10d's C++ stacks."""
+    port = {"MASTER_PORT": "29598", "RANK": "1", "LOCAL_RANK": "1"}
+    job = Job(job_cmd("train", *SMALL, f"train.run_dir={tmp_path}", "train.run_id=r", "strategy=ddp",
+                      "strategy.timeout_s=3", "train.steps=3"), clean_env(**{**LAUNCHED, **port}))
+    rc, end = job.finish(timeout=60)
+    assert rc == 1, job.text
+    assert [line for _, line in job.lines if line.strip()] == [
+        line for _, line in job.lines if "did not meet at 127.0.0.1:29598 within strategy.timeout_s=3 s" in line], \
+        job.text
+    assert end - job.t0 < BOUND_S
 
 
 def test_local_rank_is_derived_only_where_it_is_known():
