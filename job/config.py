@@ -159,8 +159,9 @@ class TelemetryCfg:
     log_every: int = 0
     """Log the per-card memory line every N steps (0: use train.log_every)."""
     peer_dir: str = ""
-    """Where the other local ranks register their loopback endpoints for local rank 0's merged
-    /metrics (empty: $TMPDIR/trainjob-telemetry-<port>; must be shared by the ranks of a node)."""
+    """Where the local ranks register their loopback endpoints for local rank 0's merged /metrics: a
+    folder trainjob-telemetry-<run>-<port> with mode 700 is made in it per job (empty: in $TMPDIR; must be
+    shared by the ranks of a node)."""
     stall_s: int = 1800
     """/health answers 503 "stalled" when no optimizer step has completed for this many seconds (counted
     from the metrics server's start, so the first step's compile and memory probing count; 0: never)."""

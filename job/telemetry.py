@@ -47,6 +47,7 @@ RANK_LABELS = ("rank", "local_rank", "uuid", "strategy", "run")
 # Step times from a few ms (tiny on CPU) to a minute (a large LM step with accumulation).
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 PEER_TIMEOUT_S = 2.0
+HTTP_TIMEOUT_S = 10.0  # a /metrics or /health client idle this long is disconnected
 
 
 # -- collectors ---------------------------------------------------------------------------------
@@ -319,14 +320,17 @@ def _serve(host: str, port: int, metrics, health) -> tuple[Any, threading.Thread
                     body, ctype, code = b"trainjob telemetry: /metrics /health\n", "text/plain", 200
                 else:
                     body, ctype, code = b"not found: try /metrics or /health\n", "text/plain", 404
-            except Exception as e:  # a bug must cost one scrape, not the server thread
+            except Exception:  # a bug costs one scrape, not the server thread; details stay in the log
                 log.exception("serving %s failed", path)
-                body, ctype, code = f"error: {e}\n".encode(), "text/plain", 500
+                body, ctype, code = b"internal error: see the trainer's log\n", "text/plain", 500
             self.send_response(code)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        # An idle or slow client is dropped after this many seconds instead of holding a thread forever.
+        timeout = HTTP_TIMEOUT_S
 
         def log_message(self, *args):  # one line per scrape would drown the training log
             pass
@@ -363,7 +367,7 @@ class _Merged:
         out = []
         for f in sorted(self.peer_dir.glob("local_rank-*.json")):
             try:
-                peer = json.loads(f.read_text())
+                peer = json.loads(_read_private(f))
                 os.kill(int(peer["pid"]), 0)
             except ProcessLookupError:
                 f.unlink(missing_ok=True)  # left by a rank that died without close()
@@ -432,11 +436,52 @@ def _empty_like(fam):
     return Metric(fam.name, fam.documentation, fam.type, fam.unit)
 
 
-def peer_dir_for(tcfg) -> Path:
-    configured = getattr(tcfg, "peer_dir", "")
-    if configured:
-        return Path(configured)
-    return Path(tempfile.gettempdir()) / f"trainjob-telemetry-{tcfg.port}"
+def peer_dir_for(tcfg, run: str) -> Path:
+    """This job's registration folder on this node: `<telemetry.peer_dir or $TMPDIR>/trainjob-telemetry-
+    <run>-<port>`, the same for every local rank (they share the run id), another for every job."""
+    base = Path(getattr(tcfg, "peer_dir", "") or tempfile.gettempdir())
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(run)) or "run"
+    return base / f"trainjob-telemetry-{safe}-{tcfg.port}"
+
+
+def private_dir(path: Path) -> Path:
+    """Create `path` with mode 0700 (or accept it as it is), then check that it is a real folder, not a
+    symlink, owned by this user and closed to everyone else: a file another user could plant there would
+    make local rank 0 fetch from a URL it chose. UsageError otherwise."""
+    import stat
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = path.lstat()
+    problem = None
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        problem = "is a symlink or not a folder"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to uid {st.st_uid}, not to this user ({os.getuid()})"
+    elif st.st_mode & 0o077:
+        problem = f"is open to other users (mode {stat.S_IMODE(st.st_mode):o}, needs 700)"
+    if problem:
+        raise UsageError(f"telemetry's peer folder {path} {problem}; remove it, or set telemetry.peer_dir to a "
+                         "folder of your own")
+    return path
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write a file readable by this user only, never through a symlink, and rename it into place."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _read_private(path: Path) -> str:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    with os.fdopen(fd) as f:
+        return f.read()
 
 
 # -- the trainer's side -------------------------------------------------------------------------
@@ -506,7 +551,7 @@ class TrainingTelemetry:
             self.registry.register(PlanCollector(labels=lab, plan=self._plan, cards=self.cards))
         if self.tcfg.port <= 0:
             return self
-        peer_dir = peer_dir_for(self.tcfg)
+        peer_dir = private_dir(peer_dir_for(self.tcfg, self.run))
         if self.local_rank == 0:
             self._merged = _Merged(self.registry, peer_dir, self.run)
             merged = self._merged
@@ -518,12 +563,9 @@ class TrainingTelemetry:
             registry = self.registry
             self._httpd, _ = _serve("127.0.0.1", 0, lambda: generate_latest(registry), self._health)
             self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}/metrics"
-            peer_dir.mkdir(parents=True, exist_ok=True)
             reg = peer_dir / f"local_rank-{self.local_rank}.json"
-            tmp = reg.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps({"url": self.url, "pid": os.getpid(), "run": self.run,
-                                       "local_rank": self.local_rank, "rank": self.rank}))
-            os.replace(tmp, reg)
+            _write_private(reg, json.dumps({"url": self.url, "pid": os.getpid(), "run": self.run,
+                                            "local_rank": self.local_rank, "rank": self.rank}))
             self._registration = reg
         return self
 
@@ -554,7 +596,7 @@ class TrainingTelemetry:
             self._httpd = None
         if self._merged is not None:
             self._merged.close()
-            try:  # the default per-port folder, once no rank is registered any more
+            try:  # this job's folder, once no rank is registered any more
                 self._merged.peer_dir.rmdir()
             except OSError:
                 pass
@@ -622,8 +664,13 @@ def export_main(argv: list[str], *, nvml=None, ready: threading.Event | None = N
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+    up = devices._nvml(nvml) is not None
     log.info("exporter: serving http://%s/metrics (NVML %s)", _hostport(host, httpd.server_address[1]),
-             "up" if devices._nvml(nvml) is not None else "unavailable: trainjob_nvml_up 0")
+             "up" if up else "unavailable: trainjob_nvml_up 0")
+    if not up:
+        log.warning("exporter: NVML cannot start here (no driver library or no GPU device in this container); "
+                    "in Kubernetes on a node whose runtime ignores NVIDIA_VISIBLE_DEVICES=all in unprivileged "
+                    "containers, use DCGM's exporter (GPU Operator) instead: docs/kubernetes.md, 'Hardened nodes'")
     if ready is not None:
         ready.port = httpd.server_address[1]  # type: ignore[attr-defined]
         ready.set()

@@ -466,7 +466,8 @@ def test_liveness_probe_against_a_hung_rank(tmp_path):
     rank1 = None
     try:
         wait(lambda code, h: code == 200 and h.get("steps", 0) >= 2, 120)
-        rank1 = json.loads((peers / "local_rank-1.json").read_text())["pid"]
+        (registration,) = peers.glob("trainjob-telemetry-*/local_rank-1.json")  # the job's own folder
+        rank1 = json.loads(registration.read_text())["pid"]
         os.kill(rank1, signal.SIGSTOP)
         t0 = time.monotonic()
         _, body = wait(lambda code, h: code == 503, 30)

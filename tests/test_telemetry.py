@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from job import devices, telemetry
 from job.devices import FakeNvml
+from job.errors import UsageError
 from job.telemetry import (
     AllocatorCollector,
     FakeAllocator,
@@ -229,6 +230,7 @@ def test_one_scrape_shows_every_local_rank(nv, tmp_path):
 def test_dead_or_silent_peer_costs_its_series_not_the_scrape(nv, tmp_path):
     port = free_port()
     r0 = _rank(nv, 0, _tcfg(port, tmp_path)).start()
+    tmp_path = telemetry.peer_dir_for(_tcfg(port, tmp_path), "r")  # the job's registration folder
     try:
         dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
         (tmp_path / "local_rank-3.json").write_text(json.dumps(
@@ -361,7 +363,8 @@ def test_cpu_training_run_serves_metrics(tmp_path, strategy, ranks):
     finally:
         rc = stop(proc)
     assert rc == 75, proc.stdout.read()  # SIGTERM: checkpoint, exit 75
-    assert not list((tmp_path / "peers").glob("*.json"))  # ranks unregistered on the way out
+    assert not list((tmp_path / "peers").rglob("*.json"))  # ranks unregistered on the way out
+    assert not list((tmp_path / "peers").iterdir())  # and the job's folder removed
 
 
 # -- the standalone exporter --------------------------------------------------------------------
@@ -504,3 +507,61 @@ def test_gpu_two_cards_one_scrape(tmp_path, strategy):
     want = {("0", cards[0].uuid), ("0" if strategy == "dp" else "1", cards[1].uuid)}
     assert alloc == want
     assert {d["uuid"] for d in named(text, "trainjob_gpu_memory_used_bytes")} == {c.uuid for c in cards}
+
+
+def test_peer_folder_is_private_and_registrations_are_not_followed(nv, tmp_path):
+    """Another user on the node must not be able to plant a registration: the job's folder is made 0700 and
+    checked; a folder that is a symlink or open to others is refused; a registration that is a symlink is
+    not read."""
+    port = free_port()
+    folder = telemetry.peer_dir_for(_tcfg(port, tmp_path), "r")
+    r0 = _rank(nv, 0, _tcfg(port, tmp_path)).start()
+    try:
+        assert folder.is_dir() and (folder.stat().st_mode & 0o777) == 0o700
+        elsewhere = tmp_path / "planted.json"
+        elsewhere.write_text(json.dumps({"url": f"http://127.0.0.1:{free_port()}/metrics", "pid": os.getpid(),
+                                         "run": "r", "local_rank": 4}))
+        (folder / "local_rank-4.json").symlink_to(elsewhere)
+        assert named(get(f"http://127.0.0.1:{port}/metrics")[1], "trainjob_telemetry_peer_up") == []
+    finally:
+        r0.close()
+    for bad, needle in [("symlink", "is a symlink or not a folder"), ("open", r"is open to other users \(mode 777")]:
+        port = free_port()
+        folder = telemetry.peer_dir_for(_tcfg(port, tmp_path), "r")
+        if bad == "symlink":
+            (tmp_path / "real").mkdir(mode=0o700, exist_ok=True)
+            folder.symlink_to(tmp_path / "real")
+        else:
+            folder.mkdir()
+            folder.chmod(0o777)
+        with pytest.raises(UsageError, match=needle):
+            _rank(nv, 0, _tcfg(port, tmp_path)).start()
+
+
+def test_a_failing_request_is_a_generic_500(nv, tmp_path):
+    port = free_port()
+    r0 = _rank(nv, 0, _tcfg(port, tmp_path)).start()
+    try:
+        r0._merged.collect = lambda: (_ for _ in ()).throw(RuntimeError("secret detail"))
+        code, body = get(f"http://127.0.0.1:{port}/metrics")
+        assert code == 500 and "secret" not in body and "internal error" in body
+    finally:
+        r0.close()
+
+
+
+def test_an_idle_client_is_dropped(nv, tmp_path, monkeypatch):
+    """A client that connects and says nothing no longer holds a server thread forever."""
+    import socket
+
+    monkeypatch.setattr(telemetry, "HTTP_TIMEOUT_S", 1.0)
+    port = free_port()
+    r0 = _rank(nv, 0, _tcfg(port, tmp_path)).start()
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:
+            t0 = time.monotonic()
+            assert idle.recv(1) == b""  # the server closed it
+            assert time.monotonic() - t0 < 5
+        assert get(f"http://127.0.0.1:{port}/health")[0] == 200
+    finally:
+        r0.close()
