@@ -8,7 +8,7 @@ ARG BASE_IMAGE=pytorch/pytorch:2.14.1-cuda13.2-cudnn9-runtime@sha256:c4ab67f9522
 FROM ${BASE_IMAGE}
 ARG TORCH_VERSION=2.14.1
 
-# PCI bus order makes CUDA's device indices match nvidia-smi/NVML (DESIGN.md: device identity).
+# PCI bus order makes CUDA's device indices match nvidia-smi/NVML (docs/design.md: device identity).
 ENV CUDA_DEVICE_ORDER=PCI_BUS_ID \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -1,6 +1,6 @@
 """Per-card and per-rank metrics for Prometheus, read at scrape time.
 
-Three collectors, each over one injected source (STYLE.md 9), none with a polling thread:
+Three collectors, each over one injected source (read at scrape time), none with a polling thread:
 - `NvmlCollector`: per card from NVML (used/total/free bytes, utilisation), labels uuid, pci_bus_id,
   gpu (NVML index), name, host; plus `trainjob_nvml_up` (0 when NVML is missing or failing: the
   scrape still succeeds, a card that fails a query loses just that series).

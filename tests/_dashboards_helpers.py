@@ -2,7 +2,7 @@
 
 Grafana has no server here, so tests/test_dashboards.py checks the JSON against the subset of
 Grafana's dashboard model this project uses (unknown keys are errors, not ignored), checks every
-metric name against DESIGN.md's contract and the recording rules, and parses every query with
+metric name against the metric contract (docs/design.md) and the recording rules, and parses every query with
 promtool; tests/test_docker.py evaluates the same queries against the live Prometheus of the
 compose stack. Both substitute Grafana's variables the way Grafana does before it sends a query.
 """
@@ -20,7 +20,7 @@ DASHBOARDS = ROOT / "monitoring" / "grafana" / "dashboards"
 PROVISIONING = ROOT / "monitoring" / "grafana" / "provisioning"
 RULES = ROOT / "monitoring" / "prometheus" / "rules"
 
-# DESIGN.md's metric contract (base names; a histogram adds _bucket/_sum/_count).
+# The metric contract (docs/design.md) (base names; a histogram adds _bucket/_sum/_count).
 CONTRACT = {
     "trainjob_gpu_memory_used_bytes", "trainjob_gpu_memory_total_bytes", "trainjob_gpu_utilization_ratio",
     "trainjob_torch_memory_allocated_bytes", "trainjob_torch_memory_reserved_bytes",
@@ -261,7 +261,7 @@ def _check_references(p: Problems, d: dict) -> None:
         for name in variables_used(expr):
             p.need(name in defined or name in GRAFANA_BUILTINS, where, f"uses undefined variable ${name}")
         for m in metric_names(expr):
-            p.need(m in known, where, f"metric `{m}` is not in DESIGN.md's contract nor a recording rule")
+            p.need(m in known, where, f"metric `{m}` is not in the metric contract (docs/design.md) nor a recording rule")
 
 
 # ------------------------------------------------------------------ queries and substitution

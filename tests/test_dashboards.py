@@ -59,7 +59,7 @@ MUTATIONS = {
                              "datasource must be"),
     "metric outside the contract": (
         lambda d: d["panels"][0]["targets"][0].update(expr="trainjob_gpu_mem_used_bytes"),
-        "metric `trainjob_gpu_mem_used_bytes` is not in DESIGN.md's contract"),
+        "metric `trainjob_gpu_mem_used_bytes` is not in the metric contract (docs/design.md)"),
     "undefined variable": (lambda d: d["panels"][0]["targets"][0].update(expr='up{job=~"$jobb"}'),
                            "undefined variable $jobb"),
     "unknown unit": (lambda d: d["panels"][0]["fieldConfig"]["defaults"].update(unit="gigabytes"),

@@ -1,6 +1,6 @@
 """k8s/: renders, passes the API schemas strictly, and says what the project's contracts say.
 
-No API server runs here (DESIGN.md), so every check is offline: `kubectl kustomize` renders,
+No API server runs here, so every check is offline: `kubectl kustomize` renders,
 kubernetes-validate --strict checks built-in objects against the oldest and newest supported
 Kubernetes schemas, the CRD objects go through their operators' published models (a round-trip
 diff catches unknown keys), and the rest are the semantic rules an API server or controller
