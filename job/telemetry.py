@@ -558,7 +558,10 @@ class TrainingTelemetry:
             self._httpd, _ = _serve(self.tcfg.host, self.tcfg.port, lambda: generate_latest(merged), self._health)
             host = self.tcfg.host if self.tcfg.host not in ("0.0.0.0", "::") else "127.0.0.1"
             self.url = f"http://{_hostport(host, self._httpd.server_address[1])}/metrics"
-            log.info("telemetry: serving %s (and /health) for the ranks of this node", self.url)
+            bound = _hostport(self.tcfg.host, self._httpd.server_address[1])
+            where = (f"{bound} (every interface; from this host {self.url})"
+                     if self.tcfg.host in ("0.0.0.0", "::") else self.url)
+            log.info("telemetry: serving %s (and /health) for the ranks of this node", where)
         else:  # loopback only: local rank 0 fetches it, nobody else needs to
             registry = self.registry
             self._httpd, _ = _serve("127.0.0.1", 0, lambda: generate_latest(registry), self._health)
