@@ -140,14 +140,15 @@ def test_bench_tiny_end_to_end(tmp_path):
 
 
 def test_a_failing_run_is_reported_and_the_others_still_run(tmp_path):
-    # 3 ddp processes cannot split a batch of 16: that run fails with the trainer's error line, the
-    # baseline (16 / 3 cards) is skipped with the arithmetic, dp still runs; exit code 1.
+    # An explicit split of 2 shares cannot serve 3 ddp processes: that run fails with the trainer's error
+    # line (dp ignores strategy.split), the baseline (16 / 3 cards) is skipped with the arithmetic, dp still
+    # runs; exit code 1.
     # Started as rank 1 of a torchrun-like group: the runs must not inherit that (dp as rank 1 of 2
     # would write no summary), each starts as a plain command.
     out = tmp_path / "f"
     group = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9"}
     p = run_bench(out, "bench.warmup=1", "bench.steps=2", "bench.cpu_procs=3", "strategies=[ddp,dp]", "bench.repeats=1",
-                  env=group)
+                  "strategy.split=8,8", env=group)
     assert p.returncode == 1, p.stdout + p.stderr
     assert "RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT are set but ignored" in p.stderr
     doc = json.loads((out / "bench.json").read_text())
@@ -155,10 +156,10 @@ def test_a_failing_run_is_reported_and_the_others_still_run(tmp_path):
     assert doc["failed"] == 1
     runs = runs_by_name(doc)
     assert runs["ddp"]["status"] == "failed" and runs["ddp"]["exit_code"] == 2
-    assert "micro-batch 16" in runs["ddp"]["reason"] and "3 ranks" in runs["ddp"]["reason"]
+    assert "strategy.split=8,8 gives 2 shares for 3 cards" in runs["ddp"]["reason"], runs["ddp"]["reason"]
     assert runs["1proc"]["status"] == "skipped" and "16 is not a multiple of 3" in runs["1proc"]["reason"]
     assert runs["dp"]["status"] == "ok" and runs["dp"]["scaling_note"] == "baseline skipped"
-    assert "failed: ddp: micro-batch 16" in p.stdout
+    assert "failed: strategy.split=8,8 gives 2 shares" in p.stdout
     assert_png(out / "bench.png")
 
 
