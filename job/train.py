@@ -14,6 +14,7 @@ import gc
 import json
 import logging
 import math
+import os
 import signal
 import threading
 import time
@@ -189,6 +190,10 @@ class Trainer:
             torch.backends.cudnn.benchmark = t.cudnn_benchmark
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # A thread per core oversubscribes a loaded machine (several times slower on a busy 2-core one);
+            # half the cores, at most 4, is what a small CPU run uses well. OMP_NUM_THREADS wins.
+            torch.set_num_threads(max(1, min(4, (os.cpu_count() or 2) // 2)))
         torch.manual_seed(t.seed)  # same initial weights on every rank
         model = self.spec.build(w, activation_checkpointing=t.activation_checkpointing)
         if t.channels_last and self.spec.is_image:
