@@ -30,6 +30,7 @@ up: ## docker compose up: trainer, exporter, Prometheus, Grafana (needs GRAFANA_
 	@echo "Grafana: http://$${BIND_ADDR:-127.0.0.1}:$${GRAFANA_PORT:-3000} (anonymous read-only; admin: the password in GRAFANA_ADMIN_PASSWORD_FILE)"
 
 down: ## docker compose down (keeps the runs, Prometheus and Grafana volumes; ARGS=-v deletes them)
+	@docker info >/dev/null 2>&1 || { echo "error: no Docker engine answers (docker info failed): nothing to stop; start the engine first if the stack should be running" >&2; exit 1; }
 	GRAFANA_ADMIN_PASSWORD_FILE=$${GRAFANA_ADMIN_PASSWORD_FILE:-/dev/null} $(COMPOSE) down $(ARGS)
 
 docker-test: setup ## The docker and dashboard tests only (first run builds the stand-in base: minutes)
