@@ -156,16 +156,6 @@ class TorchAllocator:
                 int(s.get("allocated_bytes.all.peak", 0)))
 
 
-class FakeAllocator:
-    """Allocator stand-in for tests and the benchmark: {torch index: (allocated, reserved, peak)}."""
-
-    def __init__(self, stats: dict[int, tuple[int, int, int]]):
-        self.stats = stats
-
-    def read(self, index: int) -> tuple[int, int, int]:
-        return self.stats.get(index, (0, 0, 0))
-
-
 class AllocatorCollector:
     """Per-rank allocator gauges: this rank's device, plus any other card this process reserved memory on."""
 
@@ -695,8 +685,17 @@ class _FakeDevice:
         self.index = index
 
 
-def _bench_cards(n: int) -> tuple[devices.FakeNvml, list[devices.Card]]:
-    nv = devices.FakeNvml.h200s(n, used=60 << 30)
+def _fake_allocator(stats):
+    from job.fakes import FakeAllocator
+
+    return FakeAllocator(stats)
+
+
+def _bench_cards(n: int):
+    """n fake H200s and their cards (the scrape benchmark runs without GPUs)."""
+    from job.fakes import FakeNvml
+
+    nv = FakeNvml.h200s(n, used=60 << 30)
     nv.nvmlInit()
     cards = [devices.Card(i, c.uuid, c.pci_bus_id, i, c.name) for i, c in enumerate(nv.cards)]
     return nv, cards
@@ -704,7 +703,7 @@ def _bench_cards(n: int) -> tuple[devices.FakeNvml, list[devices.Card]]:
 
 def _bench_rank(local_rank: int, world: int, n_cards: int, tcfg) -> TrainingTelemetry:
     nv, cards = _bench_cards(n_cards)
-    alloc = FakeAllocator({local_rank: (50 << 30, 60 << 30, 55 << 30)})
+    alloc = _fake_allocator({local_rank: (50 << 30, 60 << 30, 55 << 30)})
     tel = TrainingTelemetry(tcfg, run="bench", strategy="ddp", rank=local_rank, local_rank=local_rank,
                             world_size=world, info={"workload": "lm"}, device=_FakeDevice(local_rank),
                             nvml=nv, allocator=alloc, cards=cards)
@@ -797,7 +796,7 @@ def bench_overhead(*, blocks: int = 20, steps: int = 150, scrape_every: float = 
     tcfg = SimpleNamespace(port=port, host="127.0.0.1", peer_dir=tempfile.mkdtemp(prefix="trainjob-bench-"))
     nv, cards = _bench_cards(8)
     tel = TrainingTelemetry(tcfg, run="bench", strategy="dp", rank=0, local_rank=0, world_size=1, info={},
-                            device=_FakeDevice(0), nvml=nv, allocator=FakeAllocator({0: (1, 2, 3)}), cards=cards).start()
+                            device=_FakeDevice(0), nvml=nv, allocator=_fake_allocator({0: (1, 2, 3)}), cards=cards).start()
     stop = threading.Event()
 
     def scraper():

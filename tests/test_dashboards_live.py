@@ -2,7 +2,7 @@
 
 The card and allocator panels have no series in a CPU run, so tests/test_docker.py can only check
 that they evaluate. Here the project's own telemetry serves a DataParallel-shaped node through its
-injectable sources (job.devices.FakeNvml for NVML, job.telemetry.FakeAllocator for torch's allocator:
+injectable sources (job.fakes.FakeNvml for NVML, job.fakes.FakeAllocator for torch's allocator:
 the two things that cannot run without a GPU), a real Prometheus scrapes it with the project's rules,
 and every panel must return data whose labels fill its legend, with the pile-up numbers it was given.
 tests/test_dashboards_gpu.py repeats this with real cards on the GPU machine.
@@ -19,8 +19,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from job import devices
-from job.telemetry import FakeAllocator, TrainingTelemetry
+from job import devices, fakes
+from job.fakes import FakeAllocator
+from job.telemetry import TrainingTelemetry
 from tests._dashboards_helpers import PLAN, RULES, evaluate_live
 from tests._telemetry_helpers import free_port, get, stop
 from tests.conftest import need_binary
@@ -36,7 +37,7 @@ class _Cuda:
 @pytest.fixture
 def fake_dp_node(tmp_path):
     """One dp process on two fake H200s: card 0 holds 140 GiB, card 1 30 GiB; allocator peaks 125/22 GiB."""
-    nv = devices.FakeNvml.h200s(2)
+    nv = fakes.FakeNvml.h200s(2)
     nv.cards[0].used, nv.cards[1].used = 140 * GIB, 30 * GIB
     nv.nvmlInit()
     cards = [devices.Card(i, c.uuid, c.pci_bus_id, i, c.name) for i, c in enumerate(nv.cards)]

@@ -1,7 +1,7 @@
 """Device identity: CUDA_VISIBLE_DEVICES validation and torch device <-> NVML card mapping.
 
 There is no GPU or NVML driver on CI machines, so NVML and torch.cuda are the pynvml-shaped
-`FakeNvml` and `FakeCuda` from job/devices.py; `test_fake_nvml_matches_pynvml` pins the fake's
+`FakeNvml` and `FakeCuda` from job/fakes.py; `test_fake_nvml_matches_pynvml` pins the fake's
 methods to the real pynvml's signatures, and the no-driver tests use the real pynvml.
 """
 
@@ -20,8 +20,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from job import devices
-from job.devices import FakeCard, FakeCuda, FakeNvml
 from job.errors import UsageError
+from job.fakes import FakeCard, FakeCuda, FakeNvml
 
 
 def _nvml(cards: list[FakeCard]) -> FakeNvml:

@@ -19,8 +19,8 @@ import yaml
 from _telemetry_helpers import free_port, get, stop
 from conftest import ROOT, job_cmd, need_binary
 
-from job import devices, telemetry
-from job.devices import FakeNvml
+from job import devices, fakes, telemetry
+from job.fakes import FakeNvml
 
 PROM = ROOT / "monitoring" / "prometheus"
 RULES = sorted((PROM / "rules").glob("*.yml"))
@@ -136,7 +136,7 @@ def test_prometheus_scrapes_training_run_and_exporter(tmp_path, prometheus):
         SimpleNamespace(port=dp_port, host="127.0.0.1", log_every=0, peer_dir=str(tmp_path / "peers")),
         run="dp-fake", strategy="dp", rank=0, local_rank=0, world_size=1, info={"workload": "lm"},
         device=SimpleNamespace(type="cuda", index=0), nvml=nv, cards=cards,
-        allocator=telemetry.FakeAllocator({0: (80 << 30, 90 << 30, 85 << 30), 1: (20 << 30, 25 << 30, 22 << 30)}),
+        allocator=fakes.FakeAllocator({0: (80 << 30, 90 << 30, 85 << 30), 1: (20 << 30, 25 << 30, 22 << 30)}),
     ).start()
     trainer = subprocess.Popen(
         job_cmd("train", "strategy=dp", "workload=tiny", "workload.width=8", "workload.image_size=16",

@@ -22,12 +22,11 @@ from _telemetry_helpers import free_port, get, named, samples, stop, wait_for
 from conftest import ROOT, job_cmd, need_binary, requires_gpus
 from prometheus_client import CollectorRegistry, generate_latest
 
-from job import devices, telemetry
-from job.devices import FakeNvml
+from job import devices, fakes, telemetry
 from job.errors import UsageError
+from job.fakes import FakeAllocator, FakeNvml
 from job.telemetry import (
     AllocatorCollector,
-    FakeAllocator,
     NvmlCollector,
     TrainingCollector,
     TrainingTelemetry,
@@ -75,7 +74,7 @@ def test_nvml_collector_reads_every_card_at_scrape_time(nv):
 
 
 def test_nvml_collector_filters_cards_and_reports_mig(nv):
-    mig = devices.FakeCard("MIG-11111111-2222-3333-4444-555555555555", nv.cards[1].pci_bus_id,
+    mig = fakes.FakeCard("MIG-11111111-2222-3333-4444-555555555555", nv.cards[1].pci_bus_id,
                            name="NVIDIA H200 MIG 1g.18gb", total=18 << 30, used=1 << 30)
     nv.cards[1].migs = [mig]
     reg = _registry(NvmlCollector(nvml=nv, uuids={nv.cards[0].uuid, mig.uuid}, host="h"))
