@@ -1,6 +1,6 @@
 """Per-card and per-rank metrics for Prometheus, read at scrape time.
 
-Three collectors, each over one injected source (read at scrape time), none with a polling thread:
+Four collectors, each over one injected source (read at scrape time), none with a polling thread:
 - `NvmlCollector`: per card from NVML (used/total/free bytes, utilisation), labels uuid, pci_bus_id,
   gpu (NVML index), name, host; plus `trainjob_nvml_up` (0 when NVML is missing or failing: the
   scrape still succeeds, a card that fails a query loses just that series).
@@ -9,11 +9,18 @@ Three collectors, each over one injected source (read at scrape time), none with
   memory on (DataParallel's one process holds several).
 - `TrainingCollector`: step-time histogram, samples counter, loss, and `trainjob_info`, fed by
   `observe_step()` (three additions under a lock: the loop never waits on a scrape).
+- `PlanCollector`: the memory plan per card (planned samples, predicted peak, headroom).
 
 `TrainingTelemetry` wires them into a trainer. With several ranks on a node, local rank 0 serves
 the public port and, at each scrape, fetches the other local ranks' own loopback endpoints (found
 through small registration files) and merges them, so one scrape shows every rank; docs/telemetry.md
 says why this design and not prometheus_client's multiprocess mode.
+
+The exposition is prometheus_client's (`generate_latest`); the HTTP server around it (`_serve`) is
+http.server's, not prometheus_client's `start_http_server`/`make_wsgi_app`, because those serve one registry
+on every path: a liveness probe needs `/health` answering 503 when training stalled, and a scrape endpoint
+on a training node needs a per-connection timeout (an idle client must not hold a thread); both are a few
+lines on http.server and would be a WSGI dispatcher plus a patched server class on the library's.
 
 `python -m job export --port 9400` (`export_main`) serves the NVML collector alone: the node-exporter
 role in compose and Kubernetes. `python -m job.telemetry --bench-scrape` measures a scrape.
