@@ -222,8 +222,6 @@ class BalancedStrategy(Strategy):
         """Sum every replica's gradients (each is its samples' share of the full-batch mean). A parameter
         that got no gradient on any replica keeps none, as in one process (no zeros for AdamW to decay);
         a replica that trained no samples takes the others'."""
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
         per_replica = self._params
         used = [i for i in range(len(per_replica[0])) if any(params[i].grad is not None for params in per_replica)]
         if not used:
@@ -231,11 +229,11 @@ class BalancedStrategy(Strategy):
         flats = []
         for params in per_replica:
             grads = [params[i].grad if params[i].grad is not None else torch.zeros_like(params[i]) for i in used]
-            flats.append(_flatten_dense_tensors(grads))
+            flats.append(_flatten(grads))
         _allreduce_sum(flats, self.devices)
         for params, flat in zip(per_replica, flats):
             chosen = [params[i] for i in used]
-            for p, g in zip(chosen, _unflatten_dense_tensors(flat, chosen)):
+            for p, g in zip(chosen, _unflatten(flat, chosen)):
                 if p.grad is None:
                     p.grad = g
                 else:
@@ -250,20 +248,18 @@ class BalancedStrategy(Strategy):
         bufs = self._buffers
         if len(self.replicas) < 2 or not bufs[0]:
             return
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
         total = sum(sizes)
         floats = [i for i, b in enumerate(bufs[0]) if b.is_floating_point()]
         others = [i for i, b in enumerate(bufs[0]) if not b.is_floating_point()]
         src = max(range(len(sizes)), key=lambda k: (sizes[k], -k))
         with torch.no_grad():
             if floats:
-                flats = [_flatten_dense_tensors([bufs[k][i] * (sizes[k] / total) for i in floats])
+                flats = [_flatten([bufs[k][i] * (sizes[k] / total) for i in floats])
                          for k in range(len(bufs))]
                 _allreduce_sum(flats, self.devices)
                 for k, flat in enumerate(flats):
                     targets = [bufs[k][i] for i in floats]
-                    for t, v in zip(targets, _unflatten_dense_tensors(flat, targets)):
+                    for t, v in zip(targets, _unflatten(flat, targets)):
                         t.copy_(v)
             for k in range(len(bufs)):
                 if k != src:
@@ -299,6 +295,16 @@ class BalancedStrategy(Strategy):
         for w in self.workers:
             w.stop()
         self.workers = []
+
+
+def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One contiguous buffer of same-dtype tensors (one all-reduce instead of one per tensor)."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat` shaped like `like`."""
+    return [chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 def _allreduce_sum(flats: list[torch.Tensor], devices: list[torch.device]) -> None:
