@@ -220,7 +220,10 @@ class PlanCollector:
         lab = self.labels
         for device, card in self.plan:
             index = device.index if device.type == "cuda" else None
-            row = [lab["rank"], lab["local_rank"], self.uuid_of.get(index, card.uuid), lab["strategy"], lab["run"]]
+            # A CPU "card" has no UUID: it is named `cpu` (Prometheus drops empty labels, and the panels' legends
+            # name the card).
+            uuid = self.uuid_of.get(index, card.uuid) or device.type
+            row = [lab["rank"], lab["local_rank"], uuid, lab["strategy"], lab["run"]]
             samples.add_metric(row, float(card.samples))
             if card.predicted_peak is not None:
                 predicted.add_metric(row, float(card.predicted_peak))

@@ -31,9 +31,8 @@ CONTRACT = {
     # the memory plan's per-card gauges (labels rank, local_rank, uuid, strategy, run), see PLAN
     "trainjob_plan_samples", "trainjob_plan_headroom_bytes",
 }
-# Served by the memory plan (job/memplan.py) once it is merged: until then no trainer reports them, so
-# the live tests accept an empty panel built only on these (once job/memplan.py exists, the GPU test
-# requires them like any other series).
+# The memory plan's series come from a real trainer (job/memplan.py); the fake node of the live test has
+# none, so there the panel built on them may be empty (the docker and GPU tests require them).
 PLAN = {"trainjob_plan_samples", "trainjob_plan_headroom_bytes"}
 PROMETHEUS_BUILTIN = {"up", "ALERTS"}
 # Series a CPU training run produces (no card, no allocator): the panels built only on these must
@@ -41,7 +40,7 @@ PROMETHEUS_BUILTIN = {"up", "ALERTS"}
 TRAINING = {
     "trainjob_samples_total", "trainjob_loss", "trainjob_info", "trainjob_step_seconds_bucket",
     "trainjob_step_seconds_sum", "trainjob_step_seconds_count", "run:trainjob_samples:rate1m", "up",
-    "trainjob_nvml_up",
+    "trainjob_nvml_up", "trainjob_plan_samples",
 }
 # What Grafana puts in for its built-in interval variables (datasource timeInterval 10s, 1 h range).
 GRAFANA_BUILTINS = {"__rate_interval": "1m", "__interval": "15s", "__range": "1h"}

@@ -355,6 +355,7 @@ def test_cpu_training_run_serves_metrics(tmp_path, strategy, ranks):
         # The memory plan per card/rank: dp's one process holds the batch of 8; ddp's two ranks 4 each.
         plan = {dict(lab)["rank"]: v for (n, lab), v in samples(text).items() if n == "trainjob_plan_samples"}
         assert plan == ({"0": 8.0} if strategy == "dp" else {"0": 4.0, "1": 4.0}), plan
+        assert {d["uuid"] for d in named(text, "trainjob_plan_samples")} == {"cpu"}  # legends name the card
         code, health = get(f"http://127.0.0.1:{port}/health")  # default telemetry.stall_s: healthy while training
         assert code == 200 and json.loads(health)["status"] == "ok" and json.loads(health)["stall_s"] == 1800
         check = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
