@@ -559,7 +559,8 @@ def test_image_folder_is_generated_once_and_reused(tmp_path):
 def test_imagefolder_rows_end_to_end(tmp_path):
     out, images = tmp_path / "i", tmp_path / "images"
     # With the telemetry on/off pair (the real exporter, scraped over loopback) in the same bench.
-    p = run_bench(out, "bench.warmup=1", "bench.steps=3", "bench.repeats=1", "bench.baseline=none",
+    # 40 timed steps: long enough for the 0.05 s scraper to catch the telemetry run serving on a fast CPU.
+    p = run_bench(out, "bench.warmup=1", "bench.steps=40", "bench.repeats=1", "bench.baseline=none",
                   "strategies=[dp]", "train.batch_size=8", "bench.imagefolder=true", "bench.imagefolder_images=20",
                   f"bench.imagefolder_dir={images}", "bench.telemetry_overhead=true", "bench.telemetry_strategy=dp",
                   "bench.scrape_interval_s=0.05")
