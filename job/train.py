@@ -191,9 +191,7 @@ class Trainer:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # A thread per core oversubscribes a loaded machine (several times slower on a busy 2-core one);
-            # half the cores, at most 4, is what a small CPU run uses well. OMP_NUM_THREADS wins.
-            torch.set_num_threads(max(1, min(4, (os.cpu_count() or 2) // 2)))
+            torch.set_num_threads(_cpu_threads())
         torch.manual_seed(t.seed)  # same initial weights on every rank
         model = self.spec.build(w, activation_checkpointing=t.activation_checkpointing)
         if t.channels_last and self.spec.is_image:
@@ -651,6 +649,19 @@ def _batches(tr: Trainer):
     return batches(tr.spec, c.workload, c.data, micro_batch=tr.micro_batch, start=tr.sample_position,
                    offset=offset, count=count, seed=c.train.seed, device=tr.device,
                    channels_last=c.train.channels_last)
+
+
+def _cpu_threads() -> int:
+    """Threads for a CPU run: the cores not fully busy (1-minute load average), at least 1, at most 4.
+
+    A thread per core oversubscribes a loaded machine (a busy 2-core machine ran the default job several
+    times slower), while an idle one is faster with every core; a small model gains nothing past 4."""
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = 0.0
+    return max(1, min(4, math.ceil(cores - load)))
 
 
 def _reset_peaks(devices: list[torch.device]) -> None:

@@ -176,3 +176,12 @@ def test_make_run_prints_the_table():
                         f"PYTHON={sys.executable}"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "per-card memory" in p.stdout and "throughput:" in p.stdout
+
+
+@pytest.mark.parametrize("cores,load,threads", [(2, 0.3, 2), (2, 1.5, 1), (2, 6.0, 1), (16, 0.0, 4), (8, 6.5, 2)])
+def test_cpu_runs_use_the_cores_that_are_not_busy(monkeypatch, cores, load, threads):
+    from job import train as train_mod
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    assert train_mod._cpu_threads() == threads
