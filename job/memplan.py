@@ -282,10 +282,9 @@ def read_cache(run_dir: Path | None, key: dict, cards: list[CardPlan]) -> Plan |
         log.info("memory plan: the cards changed since %s; planning again", path)
         return None
     for old, now in zip(plan.cards, cards):
-        now_room = now.room
-        if old.predicted_reserved is not None and old.predicted_reserved > now_room:
+        if old.predicted_reserved is not None and old.predicted_reserved > now.room:
             log.info("memory plan: %s now has %.1f GB of room, the cached plan needs %.1f GB; planning again",
-                     now.label, now_room / GB, old.predicted_reserved / GB)
+                     now.label, now.room / GB, old.predicted_reserved / GB)
             return None
         old.free, old.held, old.room = now.free, now.held, now.room
     plan.reused = True
@@ -340,8 +339,6 @@ def probe(card: CardPlan, device, step, *, upto: int, limit: int, extra: float =
     `step(b)` runs forward + backward of b samples there and frees its gradients; `extra` (bytes) is
     what the real step keeps that a probe does not (optimizer state, ...). Resumes from earlier probes
     of the same card. Fills fixed/per_sample (reserved), alloc_fixed/alloc_per_sample and capacity."""
-    import torch
-
     points = [tuple(int(v) for v in p) for p in card.probes]
     budget = card.room - extra
     while not card.probe_failed:
@@ -376,7 +373,6 @@ def probe(card: CardPlan, device, step, *, upto: int, limit: int, extra: float =
     if card.probe_failed:
         fits = min(fits, points[-1][0])  # the probe above the last point failed: trust the measurement
     card.capacity = fits
-    torch.cuda.empty_cache()
 
 
 def probed_up_to(card: CardPlan) -> int:

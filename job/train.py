@@ -263,14 +263,12 @@ class Trainer:
 
     def _check_plan(self) -> None:
         """After the first steps: each card's measured peak next to the prediction, logged and cached."""
-        mine = self.strategy.local_cards(self.plan)
         peaks = [torch.cuda.max_memory_allocated(d) if d.type == "cuda" else None for d in self.devices]
-        for card, peak in zip(mine, peaks):
-            card.measured_peak = peak
+        # Every process's devices in rank order are the plan's cards in order (one per ddp rank, all of
+        # balanced's in its one process).
         measured = [p for per_rank in self.strategy.all_gather_object(peaks) for p in per_rank]
-        if len(measured) == len(self.plan.cards):
-            for card, peak in zip(self.plan.cards, measured):
-                card.measured_peak = peak
+        for card, peak in zip(self.plan.cards, measured, strict=True):
+            card.measured_peak = peak
         if not self.is_main or not any(c.measured for c in self.plan.cards):
             return
         errors = [f"{c.label} {c.measured_peak / 1e9:.2f} GB measured / {c.predicted_peak / 1e9:.2f} predicted "

@@ -47,8 +47,6 @@ class DDPStrategy(Strategy):
     def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
         super().setup(model, loss_fn)
         self.compile = compile
-        self.ddp = None
-        self.sizes = memplan.even_split(self.micro_batch, self.world_size) if self.micro_batch else []
         # DDP wraps the model after the memory plan (plan_memory): probes then measure the gradients
         # DDP's buckets will hold, not a second copy next to them.
 
@@ -70,7 +68,7 @@ class DDPStrategy(Strategy):
         """Each rank measures its own card; the ranks exchange what they measured and make the same choice."""
         label = f"rank {self.rank} {self.device}"
         mine = ctx.card(self.device, label, self.local_rank)
-        cards = [c for c in self.all_gather_object(mine)]
+        cards = self.all_gather_object(mine)
         plan = memplan.Plan(mode="auto" if self.mode == "auto" else "fixed", micro_batch=ctx.micro_batch,
                             cards=cards, key=ctx.key)
         if self.mode == "auto" and self.device.type == "cuda":
