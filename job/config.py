@@ -40,6 +40,13 @@ class StrategyCfg:
     check_replicas_every: int = 0
     """balanced: every N steps, check that the replicas' weights are still identical (fails loudly if not;
     0: never)."""
+    replica_threads: bool = False
+    """balanced: run each extra card's forward in a persistent thread of its own (true), or launch every
+    card's forward from the main thread in turn (false: no hand-offs of Python's GIL between threads
+    at every operation; faster on the models measured, docs/strategies.md)."""
+    bucket_mb: float = 25.0
+    """balanced/ddp: size of the gradient buckets in MiB; each bucket is summed across the cards as soon as
+    the backward has produced it, overlapping the rest of the backward."""
     find_unused_parameters: bool = False
     """ddp: let DDP tolerate parameters that get no gradient (slower)."""
     timeout_s: float = 300.0
@@ -505,6 +512,9 @@ def validate(cfg) -> None:
         raise UsageError(f"`memory.margin_gb={m.margin_gb}` must be between 0 and 10000 (GB kept free per card)")
     if any(not (0 < c < 1e4) for c in m.cap_gb):
         raise UsageError(f"`memory.cap_gb={list(m.cap_gb)}` must hold GB per card, each above 0; [] for no cap")
+    if not 0 < cfg.strategy.bucket_mb <= 65536:  # also refuses nan
+        raise UsageError(f"`strategy.bucket_mb={cfg.strategy.bucket_mb}` must be a size in MiB above 0 and at most "
+                         "65536 (25 is DDP's default)")
     if not 0 < cfg.strategy.timeout_s < 1e6:  # also refuses nan
         raise UsageError(f"`strategy.timeout_s={cfg.strategy.timeout_s}` must be a number of seconds above 0")
     if not 0 <= cfg.telemetry.port <= 65535:

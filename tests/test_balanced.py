@@ -53,8 +53,8 @@ def test_parse_gpu0_rejects(value, msg):
         parse_gpu0(value, 16)
 
 
-def _strategy(n: int, gpu0: str, micro: int) -> BalancedStrategy:
-    s = BalancedStrategy(OmegaConf.structured(StrategyCfg(name="balanced", gpu0_batch=gpu0)),
+def _strategy(n: int, gpu0: str, micro: int, threads: bool = False) -> BalancedStrategy:
+    s = BalancedStrategy(OmegaConf.structured(StrategyCfg(name="balanced", gpu0_batch=gpu0, replica_threads=threads)),
                          devices=[torch.device("cpu")] * n)
     s.check(micro_batch=micro)
     return s
@@ -77,14 +77,16 @@ def _models(workload: str):
 
 
 @pytest.mark.parametrize("workload", ["tiny", "lm"])
-@pytest.mark.parametrize("n,gpu0", [(2, "auto"), (3, "0"), (3, "1"), (2, "0.25"), (4, "5")])
-def test_loss_inside_replicas_equals_full_batch(workload, n, gpu0):
+@pytest.mark.parametrize("n,gpu0,threads", [(2, "auto", False), (3, "0", True), (3, "1", False), (2, "0.25", True),
+                                            (4, "5", False)])
+def test_loss_inside_replicas_equals_full_batch(workload, n, gpu0, threads):
     spec, ref, model, x, y = _models(workload)
     ref_loss = spec.loss(ref(x), y)
     ref_loss.backward()
 
-    s = _strategy(n, gpu0, micro=12)
+    s = _strategy(n, gpu0, micro=12, threads=threads)
     s.setup(model, spec.loss)
+    assert len(s.workers) == (n - 1 if threads else 0)
     try:
         with s.backward_sync(True):
             loss = s.loss(x, y)
@@ -308,3 +310,111 @@ def test_grad_clip_through_the_cli_ddp_equals_one_process(tmp_path):
             for r in ("one", "two"))
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5, msg=k)
+
+
+# -- gradient buckets summed during the backward ------------------------------------------------------
+
+class _Skip(torch.nn.Module):
+    """An LM-ish stack with a branch used only while `use_odd` is set: a parameter that gets a gradient in
+    some micro-steps and not others."""
+
+    use_odd = False
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.odd = torch.nn.Linear(16, 16)
+        self.head = torch.nn.Linear(16, 50)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = h + torch.tanh(b(h))
+        if self.use_odd:
+            h = self.odd(h)
+        return self.head(h)
+
+
+_seq_ce = WORKLOADS["lm"].loss
+
+
+def _train_like_one_process(devices, gpu0: str, dtype=torch.float32):
+    """3 steps x 2 micro-steps of AdamW through balanced (buckets of ~1 parameter each, so every bucket
+    is summed on its own) against one process; the parameters must match after every step."""
+    torch.manual_seed(0)
+    ref = _Skip().to(devices[0], dtype)
+    model = _Skip().to(devices[0], dtype)
+    model.load_state_dict(ref.state_dict())
+    s = BalancedStrategy(OmegaConf.structured(StrategyCfg(name="balanced", gpu0_batch=gpu0, bucket_mb=0.001)),
+                         devices=devices)
+    s.check(micro_batch=5)
+    s.setup(model, _seq_ce)
+    assert len(s._params[0]) > 8
+    opt = s.build_optimizer(lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(5)
+    try:
+        for step in range(3):
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            # micro-steps of 5 then 4 samples: the odd branch trains in the first only (its gradient must
+            # still be summed, after the backward of the last)
+            for micro, n in enumerate((5, 4)):
+                x = torch.randint(0, 50, (n, 6), generator=gen).to(devices[0])
+                y = torch.randint(0, 50, (n, 6), generator=gen).to(devices[0])
+                for m in (ref, *s.replicas):
+                    m.use_odd = micro == 0
+                with s.backward_sync(micro == 1):
+                    (s.loss(x, y) / 2).backward()
+                (_seq_ce(ref(x), y) / 2).backward()
+                if step == 0 and micro == 0:  # each step's first micro-step: the buckets are the gradients
+                    i = [name for name, _ in model.named_parameters()].index("head.weight")
+                    assert s.replicas[0].head.weight.grad is s.reducer.homes[0].views[i]
+            opt.step()
+            ref_opt.step()
+            for replica in s.replicas:
+                for (name, p), q in zip(replica.named_parameters(), ref.parameters()):
+                    torch.testing.assert_close(p.detach().to(q.device), q.detach(), rtol=1e-5, atol=1e-6,
+                                               msg=f"step {step + 1}: {name}")
+        assert s.reducer.launched and (devices[0].type == "cpu" or any(s.reducer.launched)), \
+            "no bucket was summed during the backward"
+    finally:
+        s.teardown()
+
+
+@pytest.mark.parametrize("gpu0", ["auto", "0"])
+def test_buckets_train_like_one_process_on_cpu(gpu0):
+    _train_like_one_process([torch.device("cpu")] * 3, gpu0)
+
+
+def test_unused_parameter_keeps_no_gradient_with_buckets():
+    torch.manual_seed(0)
+    model = _Skip()
+    s = BalancedStrategy(OmegaConf.structured(StrategyCfg(name="balanced", bucket_mb=0.001)),
+                         devices=[torch.device("cpu")] * 2)
+    s.check(micro_batch=4)
+    s.setup(model, _seq_ce)
+    try:
+        x = torch.randint(0, 50, (4, 6))
+        with s.backward_sync(True):
+            s.loss(x, x).backward()
+        assert all(r.odd.weight.grad is None and r.odd.bias.grad is None for r in s.replicas)
+        assert all(r.head.weight.grad is not None for r in s.replicas)
+    finally:
+        s.teardown()
+
+
+def test_bucket_mb_is_checked(tmp_path):
+    p = subprocess.run(job_cmd("train", "strategy=balanced", "strategy.bucket_mb=0", "train.device=cpu",
+                               f"train.run_dir={tmp_path}"), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "strategy.bucket_mb=0" in p.stderr, p.stderr
+    assert not any(tmp_path.iterdir())
+
+
+@requires_gpus(2)
+@pytest.mark.gpu
+@pytest.mark.parametrize("gpu0", ["auto", "0"])
+def test_buckets_overlap_the_backward_and_train_like_one_process_on_two_cards(gpu0):
+    """On 2 cards the buckets are summed by NCCL on side streams from the autograd threads."""
+    _train_like_one_process([torch.device("cuda", 0), torch.device("cuda", 1)], gpu0, torch.float64)

@@ -4,13 +4,17 @@ What DataParallel does every step, and what this does instead:
 - replicate the model from GPU 0 (Python-heavy, every step)   -> replicas built once; they stay equal
   because every card applies the same all-reduced gradient with its own optimizer state (as DDP does);
 - run replicas in fresh threads (cuDNN's per-thread autotune cache is lost each step: 18x slower)
-                                                                -> one persistent thread per card, so
-  cudnn.benchmark stays on and tunes once;
+                                                                -> every card's forward launched from the
+  main thread in turn (kernels run asynchronously, and one thread does not hand Python's GIL back and
+  forth at every operation), or with strategy.replica_threads=true one persistent thread per card;
+  either way cudnn.benchmark stays on and tunes once;
 - gather every output onto GPU 0 and compute the loss there (the GPU-0 pile-up)
                                                                 -> each replica computes the *sum* of its
   samples' losses; only those scalars cross to GPU 0, divided by the global sample count, so the loss is
   exactly the full-batch mean whatever the split;
-- keep master weights, gradients and optimizer state on GPU 0  -> every card holds its own (symmetric).
+- keep master weights, gradients and optimizer state on GPU 0  -> every card holds its own (symmetric);
+- (DDP across processes) sum the gradients in buckets during the backward
+                                                                -> the same, in one process (comm.py).
 
 What remains uneven (the input batch arrives on GPU 0, which also hosts the loss scalars), and any
 difference in free memory between the cards (another process on card 0, cards of different sizes), is
@@ -25,54 +29,18 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import queue
-import threading
 
 import torch
 from torch import nn
 
 from job import memplan
 from job.errors import UsageError
+from job.strategies import comm
 from job.strategies.base import Strategy, parse_gpu0, parse_mode, split_sizes
+from job.strategies.workers import Worker, result
 
 __all__ = ["BalancedStrategy", "parse_gpu0", "split_sizes"]
 log = logging.getLogger("job")
-
-
-class _Worker:
-    """A persistent thread that runs one replica's forward (and its loss) on request."""
-
-    def __init__(self, name: str):
-        self.jobs: queue.Queue = queue.Queue()
-        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            fn, done = job
-            try:
-                done.put((True, fn()))
-            except BaseException as e:  # re-raised in the caller's thread
-                done.put((False, e))
-
-    def submit(self, fn) -> queue.Queue:
-        done: queue.Queue = queue.Queue(maxsize=1)
-        self.jobs.put((fn, done))
-        return done
-
-    def stop(self):
-        self.jobs.put(None)
-        self.thread.join(timeout=10)
-
-
-def _result(done: queue.Queue):
-    ok, value = done.get()
-    if not ok:
-        raise value
-    return value
 
 
 class BalancedStrategy(Strategy):
@@ -82,10 +50,13 @@ class BalancedStrategy(Strategy):
     def __init__(self, scfg, **kw):
         super().__init__(scfg, **kw)
         self.replicas: list[nn.Module] = []
-        self.workers: list[_Worker] = []
+        self.workers: list[Worker] = []
         self.micro_batch = 0
         self.mode: str | list[int] = "even"
         self._last_sizes: list[int] | None = None
+        self._sync = True
+        self.reducer: comm.GradReducer | None = None
+        self._stats: list[comm.FlatViews] = []  # per replica: BatchNorm statistics (floats), then counters
 
     def check(self, *, micro_batch: int) -> None:
         self.micro_batch = micro_batch
@@ -104,14 +75,22 @@ class BalancedStrategy(Strategy):
         self.replicas = [model] + [copy.deepcopy(model).to(d) for d in self.devices[1:]]
         if compile:
             self.replicas = [torch.compile(r) for r in self.replicas]
-        self.workers = [_Worker(f"balanced-{d}") for d in self.devices[1:]]
-        # Listed once: the per-step gradient reduce and buffer sync walk these, not the module trees.
+        if self.cfg.replica_threads:
+            self.workers = [Worker(f"balanced-{d}") for d in self.devices[1:]]
         plain = self._plain_replicas()
         self._params = [list(r.parameters()) for r in plain]
-        self._buffers = [list(r.buffers()) for r in plain]
+        if len(self.replicas) > 1:
+            # Each replica's statistics in two flat tensors (floats, counters): one kernel averages them all.
+            bufs = [list(r.buffers()) for r in plain]
+            floats = [i for i, b in enumerate(bufs[0]) if b.is_floating_point()]
+            others = [i for i, b in enumerate(bufs[0]) if not b.is_floating_point()]
+            groups = comm.group_by(bufs[0], floats) + comm.group_by(bufs[0], others)
+            self._n_float_groups = len(comm.group_by(bufs[0], floats))
+            self._stats = [comm.rehome_buffers(r, b, groups) for r, b in zip(plain, bufs)]
         if self.devices[0].type == "cuda" and len(self.devices) > 1:
-            log.info("balanced: %d persistent replicas, one thread each: cudnn.benchmark stays %s "
-                     "(each thread tunes once)", len(self.devices),
+            log.info("balanced: %d persistent replicas, forwards launched %s: cudnn.benchmark stays %s "
+                     "(tuned once)", len(self.devices),
+                     "from one thread per card" if self.workers else "from the main thread in turn",
                      "on" if torch.backends.cudnn.benchmark else "off")
         self.sizes = split_sizes(self.micro_batch, len(self.devices)) if self.micro_batch else []
 
@@ -200,10 +179,17 @@ class BalancedStrategy(Strategy):
             with ctx, torch.set_grad_enabled(grad), torch.autocast(dev.type, dtype=dtype, enabled=enabled):
                 return self.loss_fn(self.replicas[k](xk), yk, reduction="sum")
 
-        pending = [(k, self.workers[k - 1].submit(lambda k=k: forward(k)))
-                   for k in range(1, len(self.devices)) if sizes[k]]
-        sums = [forward(0)] if sizes[0] else []
-        sums += [_result(done) for _, done in pending]
+        if grad and len(self.replicas) > 1:
+            if self.reducer is None:  # after the memory plan, whose probes measure gradients without buckets
+                self.reducer = comm.GradReducer(self._params, self.devices, self.cfg.bucket_mb)
+            self.reducer.prepare([n > 0 for n in sizes], sync=self._sync)
+        if not self.workers:  # every card's forward launched from this thread in turn (no GIL hand-offs)
+            sums = [forward(k) for k in range(len(self.devices)) if sizes[k]]
+        else:
+            pending = [(k, self.workers[k - 1].submit(lambda k=k: forward(k)))
+                       for k in range(1, len(self.devices)) if sizes[k]]
+            sums = [forward(0)] if sizes[0] else []
+            sums += [result(done) for _, done in pending]
         self._last_sizes = sizes
         dev0 = self.devices[0]
         # Only scalars cross to GPU 0: the mean over all samples, whatever the split.
@@ -211,33 +197,12 @@ class BalancedStrategy(Strategy):
 
     @contextlib.contextmanager
     def backward_sync(self, enabled: bool):
-        self._last_sizes = None
+        self._last_sizes, self._sync = None, enabled
         yield
         if self._last_sizes is not None:  # after backward: BatchNorm's saved inputs are no longer needed
             self._average_buffers(self._last_sizes)
-        if enabled and len(self.replicas) > 1:
-            self._allreduce_grads()
-
-    def _allreduce_grads(self) -> None:
-        """Sum every replica's gradients (each is its samples' share of the full-batch mean). A parameter
-        that got no gradient on any replica keeps none, as in one process (no zeros for AdamW to decay);
-        a replica that trained no samples takes the others'."""
-        per_replica = self._params
-        used = [i for i in range(len(per_replica[0])) if any(params[i].grad is not None for params in per_replica)]
-        if not used:
-            return
-        flats = []
-        for params in per_replica:
-            grads = [params[i].grad if params[i].grad is not None else torch.zeros_like(params[i]) for i in used]
-            flats.append(_flatten(grads))
-        _allreduce_sum(flats, self.devices)
-        for params, flat in zip(per_replica, flats):
-            chosen = [params[i] for i in used]
-            for p, g in zip(chosen, _unflatten(flat, chosen)):
-                if p.grad is None:
-                    p.grad = g
-                else:
-                    p.grad.copy_(g)
+        if self.reducer is not None:
+            self.reducer.finish()
 
     def _average_buffers(self, sizes: list[int]) -> None:
         """After a micro-step, every replica's BatchNorm statistics become the sample-weighted mean of what
@@ -245,26 +210,22 @@ class BalancedStrategy(Strategy):
         counters (num_batches_tracked) come from the replica with the largest share. A card with a small
         or empty share therefore neither loses nor dilutes the statistics, and replica 0 (which the
         checkpoint saves) holds them too."""
-        bufs = self._buffers
-        if len(self.replicas) < 2 or not bufs[0]:
+        if not self._stats:
             return
         total = sum(sizes)
-        floats = [i for i, b in enumerate(bufs[0]) if b.is_floating_point()]
-        others = [i for i, b in enumerate(bufs[0]) if not b.is_floating_point()]
         src = max(range(len(sizes)), key=lambda k: (sizes[k], -k))
+        nf = self._n_float_groups
         with torch.no_grad():
-            if floats:
-                flats = [_flatten([bufs[k][i] * (sizes[k] / total) for i in floats])
-                         for k in range(len(bufs))]
-                _allreduce_sum(flats, self.devices)
-                for k, flat in enumerate(flats):
-                    targets = [bufs[k][i] for i in floats]
-                    for t, v in zip(targets, _unflatten(flat, targets)):
-                        t.copy_(v)
-            for k in range(len(bufs)):
-                if k != src:
-                    for i in others:
-                        bufs[k][i].copy_(bufs[src][i], non_blocking=True)
+            for g in range(len(self._stats[0].flats)):
+                flats = [home.flats[g] for home in self._stats]
+                if g < nf:
+                    for flat, n in zip(flats, sizes):
+                        flat.mul_(n / total)
+                    comm.allreduce_sum(flats, self.devices)
+                else:
+                    for k, flat in enumerate(flats):
+                        if k != src:
+                            flat.copy_(flats[src], non_blocking=True)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """One process's clipping: the norm of one replica's (all-reduced, identical) gradients, and the
@@ -295,35 +256,7 @@ class BalancedStrategy(Strategy):
         for w in self.workers:
             w.stop()
         self.workers = []
+        if self.reducer is not None:
+            self.reducer.remove()
+            self.reducer = None
 
-
-def _flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One contiguous buffer of same-dtype tensors (one all-reduce instead of one per tensor)."""
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def _unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of `flat` shaped like `like`."""
-    return [chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in like]), like)]
-
-
-def _allreduce_sum(flats: list[torch.Tensor], devices: list[torch.device]) -> None:
-    """Sum equal-shaped tensors, one per device, in place on every device."""
-    if devices[0].type == "cuda":
-        try:
-            from torch.cuda import nccl
-
-            if nccl.is_available(flats):
-                nccl.all_reduce(flats)
-                return
-        except (ImportError, RuntimeError):
-            pass
-        reduced = torch.cuda.comm.reduce_add(flats, destination=devices[0].index)
-        for f, r in zip(flats, torch.cuda.comm.broadcast(reduced, [d.index for d in devices])):
-            f.copy_(r)
-        return
-    total = flats[0].clone()
-    for f in flats[1:]:
-        total += f
-    for f in flats:
-        f.copy_(total)

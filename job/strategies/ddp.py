@@ -57,7 +57,7 @@ class DDPStrategy(Strategy):
             ids = [self.device.index] if self.device.type == "cuda" else None
             self.ddp = nn.parallel.DistributedDataParallel(
                 self.module, device_ids=ids, find_unused_parameters=self.cfg.find_unused_parameters,
-                gradient_as_bucket_view=True,
+                gradient_as_bucket_view=True, bucket_cap_mb=self.cfg.bucket_mb,
             )
             # Compile the DDP-wrapped module: dynamo's DDPOptimizer splits graphs at bucket boundaries.
             self.forward = torch.compile(self.ddp) if self.compile else self.ddp
