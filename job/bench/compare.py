@@ -144,6 +144,9 @@ def _scaling(runs: list[dict], n: int) -> None:
             r["scaling_vs_1"] = r["samples_per_s"] / (n * base["samples_per_s"])
 
 
+# -- the mode: one workload ---------------------------------------------------------------------
+
+
 def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
     """compare: the baseline, the strategies (and their imagefolder rows), repeated; then the telemetry pairs."""
     from job.models import WORKLOADS

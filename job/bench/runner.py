@@ -82,6 +82,8 @@ class _Scraper(threading.Thread):
 
 
 class Bench:
+    """One `python -m job bench`: its settings, output folder and cards, the run in progress, the failures."""
+
     def __init__(self, cfg):
         self.cfg, self.b = cfg, cfg.bench
         _check(self.b)
