@@ -32,7 +32,9 @@ except ImportError:  # pragma: no cover
     jsonschema = None
 
 from job import bench
+from job.bench.process import _error_line
 from job.config import load
+from job.errors import UsageError
 
 # Small and quick on 2 cores; the code paths are those of the real workloads.
 SMALL = ["workload=tiny", "workload.width=8", "workload.image_size=16", "train.batch_size=16",
@@ -240,7 +242,7 @@ def test_timed_throughput_uses_the_logged_window():
     ("", "no output"),
 ])
 def test_error_line(log, line):
-    assert bench._error_line(log) == line
+    assert _error_line(log) == line
 
 
 def _card(rank, i, peak, reserved, used):
@@ -516,7 +518,7 @@ def test_tenant_holds_memory_until_stopped():
     finally:
         t.stop()
     assert t.proc.poll() is not None
-    with pytest.raises(bench.UsageError, match=r"could not hold 1e\+06 GB on cpu .*lower bench.tenant_gb"):
+    with pytest.raises(UsageError, match=r"could not hold 1e\+06 GB on cpu .*lower bench.tenant_gb"):
         bench.Tenant(1e6, "cpu").start()
     # A bench that dies without stopping it (SIGKILL, os._exit): the tenant sees its pipe close and exits.
     code = "import os\nfrom job.bench import Tenant\nprint(Tenant(0.05, 'cpu').start().pid, flush=True)\nos._exit(9)"

@@ -554,7 +554,7 @@ def test_an_idle_client_is_dropped(nv, tmp_path, monkeypatch):
     """A client that connects and says nothing no longer holds a server thread forever."""
     import socket
 
-    monkeypatch.setattr(telemetry, "HTTP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("job.telemetry.server.HTTP_TIMEOUT_S", 1.0)
     port = free_port()
     r0 = _rank(nv, 0, _tcfg(port, tmp_path)).start()
     try:

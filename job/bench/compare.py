@@ -1,0 +1,243 @@
+"""bench.mode=compare, one workload at a time (`bench_workload`; the steps are in job/bench/__init__.py),
+and the rule that turns repeats into a table row: the median and the range (min-max) of each run name's
+repeats (`summarize`), a ratio of medians called a claim only when the two ranges do not overlap
+(`compare`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import statistics
+from typing import TYPE_CHECKING, Any
+
+from job.bench.imagefolder import image_folder
+from job.bench.process import _free_port
+from job.bench.results import COMPARED, _card_key, empty_run, workload_result
+from job.bench.settings import _multi_process
+
+if TYPE_CHECKING:
+    from job.bench.runner import Bench
+
+log = logging.getLogger("job")
+
+# -- repeats: median and range ------------------------------------------------------------------
+
+
+def spread(values: list[float]) -> dict[str, Any] | None:
+    """Median and range of the repeats' values (None when there are none)."""
+    values = [float(v) for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def overlapping(a: dict, b: dict) -> bool:
+    return a["min"] <= b["max"] and b["min"] <= a["max"]
+
+
+def compare(a_name: str, b_name: str, metric: str, a: dict, b: dict) -> dict[str, Any]:
+    """a/b's ratio of medians, stated as a claim only when both have repeats and the ranges do not overlap."""
+    if min(a["n"], b["n"]) < 2:
+        verdict = "one run each: no claim"
+    elif overlapping(a, b):
+        verdict = "overlapping"
+    else:
+        verdict = "ranges do not overlap"
+    return {"a": a_name, "b": b_name, "metric": metric,
+            "ratio": a["median"] / b["median"] if b["median"] else None,
+            "a_median": a["median"], "b_median": b["median"],
+            "claim": verdict == "ranges do not overlap", "verdict": verdict}
+
+
+def summarize(runs: list[dict], names: list[str], *, window: list[int]) -> list[dict]:
+    """One row per compared run name (in `names` order): median and range over its repeats."""
+    rows = []
+    for name in names:
+        group = [r for r in runs if r["name"] == name and r["kind"] in COMPARED]
+        if not group:
+            continue
+        ok = [r for r in group if r["status"] == "ok"]
+        cards = []
+        layout = {tuple(_card_key(c) for c in sorted(r["cards"], key=_card_key)) for r in ok}
+        if ok and len(layout) == 1:
+            for i, key in enumerate(next(iter(layout))):
+                per = [sorted(r["cards"], key=_card_key)[i] for r in ok]
+                used = [c["nvml_used_bytes"] for c in per]
+                cards.append({"rank": key[0], "device": key[1],
+                              "peak_allocated_bytes": spread([c["peak_allocated_bytes"] for c in per]),
+                              "peak_reserved_bytes": spread([c["peak_reserved_bytes"] for c in per]),
+                              "nvml_used_bytes": spread(used) if None not in used else None})
+        first = group[0]
+        reasons = sorted({f"{r['status']}: {r['reason']}" for r in group if r["status"] != "ok"})
+        status = "ok" if len(ok) == len(group) else (f"ok {len(ok)}/{len(group)}; " if ok else "") + "; ".join(reasons)
+        rows.append({
+            "name": name, "kind": first["kind"], "strategy": first["strategy"], "data": first["data"],
+            "runs": len(group), "ok": len(ok),
+            "world_size": ok[0]["world_size"] if ok else None, "units": ok[0]["units"] if ok else None,
+            "samples_per_s": spread([r["samples_per_s"] for r in ok]),
+            "units_per_s": spread([r["units_per_s"] for r in ok]),
+            "busiest_peak_bytes": spread([max(c["peak_allocated_bytes"] for c in r["cards"]) for r in ok
+                                          if r["cards"]]),
+            "imbalance": spread([r["imbalance"] for r in ok]),
+            "scaling_vs_1": None, "scaling_note": None,
+            "peak_window": ok[0]["peak_window"] if ok else None,
+            "same_window": all(r["peak_window"] == window for r in ok),
+            "cards": cards, "status": status,
+        })
+    return rows
+
+
+def summary_scaling(rows: list[dict], n: int) -> None:
+    """scaling vs 1 from the medians: throughput_n / (n x throughput_1), for rows that used the n cards."""
+    base = next((r for r in rows if r["kind"] == "baseline"), None)
+    for r in rows:
+        if r["kind"] == "baseline" or r["units_per_s"] is None:
+            continue
+        if base is None or base["units_per_s"] is None:
+            r["scaling_note"] = "no baseline" if base is None else "baseline did not run"
+        elif r["units"] != n:
+            r["scaling_note"] = f"ran on {r['units']} card(s)/process(es), the baseline is 1 of {n}"
+        else:
+            r["scaling_vs_1"] = r["units_per_s"]["median"] / (n * base["units_per_s"]["median"])
+
+
+def comparisons(rows: list[dict]) -> list[dict]:
+    """Every pair of strategy rows (throughput; busiest card's peak where cards were measured), and each
+    imagefolder row against its strategy's synthetic row (throughput: where the input pipeline limits)."""
+    out = []
+    strat = [r for r in rows if r["kind"] == "strategy" and r["units_per_s"]]
+    for i, a in enumerate(strat):
+        for b in strat[i + 1:]:
+            out.append(compare(a["name"], b["name"], "units_per_s", a["units_per_s"], b["units_per_s"]))
+            if a["busiest_peak_bytes"] and b["busiest_peak_bytes"]:
+                out.append(compare(a["name"], b["name"], "busiest_peak_bytes", a["busiest_peak_bytes"],
+                                   b["busiest_peak_bytes"]))
+    for r in rows:
+        if r["kind"] == "imagefolder" and r["units_per_s"]:
+            syn = next((s for s in strat if s["strategy"] == r["strategy"]), None)
+            if syn is not None:
+                out.append(compare(r["name"], syn["name"], "units_per_s", r["units_per_s"], syn["units_per_s"]))
+    return out
+
+
+def rotated(items: list, repeat: int) -> list:
+    """The run order of repeat `repeat` (0-based): rotated by one per repeat."""
+    if not items:
+        return []
+    k = repeat % len(items)
+    return items[k:] + items[:k]
+
+
+def _scaling(runs: list[dict], n: int) -> None:
+    """Per run: scaling vs 1 = throughput_n / (n x throughput_1 of the same repeat's baseline)."""
+    bases = {r["repeat"]: r for r in runs if r["kind"] == "baseline"}
+    for r in runs:
+        if r["kind"] not in ("strategy", "imagefolder") or r["status"] != "ok":
+            continue
+        base = bases.get(r["repeat"])
+        if base is None or base["status"] != "ok":
+            r["scaling_note"] = "no baseline" if base is None else f"baseline {base['status']}"
+        elif r["units"] != n:
+            r["scaling_note"] = f"ran on {r['units']} card(s)/process(es), the baseline is 1 of {n}"
+        else:
+            r["scaling_vs_1"] = r["samples_per_s"] / (n * base["samples_per_s"])
+
+
+# -- the mode: one workload ---------------------------------------------------------------------
+
+
+def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
+    """compare: the baseline, the strategies (and their imagefolder rows), repeated; then the telemetry pairs."""
+    from job.models import WORKLOADS
+
+    ref_cfg = bench.ref_cfg(workload)
+    spec = WORKLOADS[workload]
+    global_batch = int(ref_cfg.train.batch_size)
+    n = bench.cards
+    label = "1gpu" if bench.cuda else "1proc"
+    # (name, kind, strategy, extra args, env), or a row when the plan is refused up front.
+    plan: list[tuple] = []
+    if bench.b.baseline not in ("", "none"):
+        if global_batch % n:
+            row = empty_run(label, "baseline", bench.b.baseline)
+            row["reason"] = (f"global batch {global_batch} is not a multiple of {n} cards, so the 1-card "
+                             f"baseline cannot have the same per-card batch; use train.batch_size={n}·k")
+            log.info("bench: %-22s skipped: %s", label, row["reason"])
+            plan.append(row)
+        else:
+            env = {"CUDA_VISIBLE_DEVICES": bench._first_card()} if bench.cuda else {}
+            plan.append((label, "baseline", bench.b.baseline,
+                         [f"train.batch_size={global_batch // n}", "strategy.nprocs=1"], env))
+    for s in bench.b.strategies:
+        plan.append((s, "strategy", s, [], {}))
+    images = None
+    if bench.b.imagefolder and spec.is_image:
+        images = image_folder(bench.images_dir, bench.b.imagefolder_images, seed=int(ref_cfg.train.seed))
+        for s in bench.b.strategies:
+            plan.append((f"{s}+imagefolder", "imagefolder", s, _image_args(bench, s, images["path"]), {}))
+    runs: list[dict] = []
+    for rep in range(bench.b.repeats):
+        for item in rotated(plan, rep):
+            if isinstance(item, dict):
+                if rep == 0:
+                    runs.append(item)
+                continue
+            name, kind, strategy, extra, env = item
+            runs.append(bench.run_one(workload, name, kind, strategy, extra=extra, env=env, repeat=rep + 1,
+                                      run_id=f"{workload}-{name}-r{rep + 1}"))
+        if bench.interrupted:  # this repeat's other runs are listed as not run; no further repeats
+            break
+    _scaling(runs, n)
+    overhead = _telemetry_overhead(bench, workload, runs) if bench.b.telemetry_overhead else None
+    names = [p["name"] if isinstance(p, dict) else p[0] for p in plan]
+    summary = summarize(runs, names, window=[bench.b.warmup, bench.b.warmup + bench.b.steps])
+    summary_scaling(summary, n)
+    return workload_result(workload, ref_cfg, cards=n, runs=runs, summary=summary,
+                           comparisons=comparisons(summary), telemetry_overhead=overhead, imagefolder=images)
+
+
+def _image_args(bench: Bench, strategy: str, path: str) -> list[str]:
+    extra = ["data.kind=imagefolder", f"data.path={path}", "data.prefetch=true"]
+    if "data.workers" not in bench.overrides:
+        # Workers per training process: the cores of its share of the machine, one left for the
+        # process itself (a single-process strategy feeds every card from one loader).
+        procs = bench.cards if _multi_process(strategy) else 1
+        extra.append(f"data.workers={max(1, min(16, (os.cpu_count() or 2) // procs - 1))}")
+    return extra
+
+
+def _telemetry_overhead(bench: Bench, workload: str, runs: list[dict]) -> dict[str, Any]:
+    s = bench.b.telemetry_strategy
+    off, on, off_runs, on_runs, scrapes = [], [], [], [], 0
+    for i in range(1, bench.b.telemetry_repeats + 1):
+        a = None
+        if i == 1 and not bench.overrides.get("telemetry.port"):
+            # The strategy's own run had telemetry off and otherwise the same command: it is the
+            # first "off" run (one process fewer).
+            a = next((r for r in runs if r["kind"] == "strategy" and r["strategy"] == s
+                      and r["status"] == "ok"), None)
+        if a is None:
+            a = bench.run_one(workload, f"telemetry-off-{i}", "telemetry_off", s, extra=["telemetry.port=0"])
+            runs.append(a)
+        port = _free_port()
+        z = bench.run_one(workload, f"telemetry-on-{i}", "telemetry_on", s,
+                          extra=[f"telemetry.port={port}", "telemetry.host=127.0.0.1"], scrape_port=port)
+        runs.append(z)
+        if a["status"] == "ok" and z["status"] == "ok":
+            off.append(a["step_s"])
+            on.append(z["step_s"])
+            off_runs.append(a["name"] + (f" (repeat {a['repeat']})" if a["kind"] == "strategy" else ""))
+            on_runs.append(z["name"])
+            scrapes += z["scrapes_ok"] or 0
+    note = None
+    if not off:
+        reasons = {r["reason"] for r in runs if r["kind"].startswith("telemetry") and r["reason"]}
+        note = "no off/on pair finished: " + "; ".join(sorted(reasons))
+    elif scrapes == 0:
+        note = "the exporter was never scraped successfully: the 'on' runs measure serving without scrapes"
+    off_m = statistics.median(off) if off else None
+    on_m = statistics.median(on) if on else None
+    return {"strategy": s, "repeats": bench.b.telemetry_repeats, "scrape_interval_s": float(bench.b.scrape_interval_s),
+            "off_runs": off_runs, "on_runs": on_runs, "off_step_s": off, "on_step_s": on, "off_median_step_s": off_m, "on_median_step_s": on_m,
+            "overhead": (on_m / off_m - 1) if off else None, "scrapes_ok": scrapes, "note": note}

@@ -1,0 +1,125 @@
+"""Where a result came from: the machine, the software versions and the commit (bench.json's environment)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: job/bench/ is two folders below it
+
+
+def _git_commit() -> tuple[str | None, bool | None]:
+    git = shutil.which("git")
+    if git and (ROOT / ".git").exists():
+        try:
+            head = subprocess.run([git, "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                  timeout=10, check=True).stdout.strip()
+            dirty = subprocess.run([git, "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+            return head, bool(dirty)
+        except (subprocess.SubprocessError, OSError):
+            pass
+    return os.environ.get("GIT_COMMIT") or None, None  # an image or copy without .git: set GIT_COMMIT
+
+
+def _driver() -> tuple[str | None, str | None]:
+    """(driver version, CUDA version the driver supports), from NVML, else nvidia-smi."""
+    from job.devices import _text, default_nvml
+
+    nv = default_nvml()
+    if nv is not None:
+        try:
+            drv = _text(nv.nvmlSystemGetDriverVersion())
+            cuda = None
+            with contextlib.suppress(Exception):
+                v = int(nv.nvmlSystemGetCudaDriverVersion_v2())
+                cuda = f"{v // 1000}.{v % 1000 // 10}"
+            return drv, cuda
+        except Exception:
+            pass
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        with contextlib.suppress(subprocess.SubprocessError, OSError, IndexError):
+            out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=20, check=True).stdout
+            return out.splitlines()[0].strip(), None
+    return None, None
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _nccl_version() -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    with contextlib.suppress(Exception):
+        v = torch.cuda.nccl.version()
+        return ".".join(str(x) for x in v) if isinstance(v, tuple) else str(v)
+    return None
+
+
+def _torchvision_version() -> str | None:
+    with contextlib.suppress(Exception):
+        from importlib.metadata import version
+
+        return version("torchvision")
+    return None
+
+
+def environment(results: list[dict]) -> dict[str, Any]:
+    import torch
+
+    cmd = sys.argv[1:] if sys.argv and sys.argv[0].endswith("__main__.py") else None
+    command = shlex.join(["python", "-m", "job", *cmd]) if cmd is not None else shlex.join(sys.argv)
+    gpus: dict[str, dict] = {}
+    for w in results:
+        for r in w["runs"]:
+            for c in r["cards"]:
+                gpus.setdefault(c["uuid"], {"name": c["name"], "uuid": c["uuid"], "pci_bus_id": c["pci_bus_id"],
+                                            "memory_total_bytes": c["nvml_total_bytes"]})
+    gpu_list = sorted(gpus.values(), key=lambda g: g["pci_bus_id"])
+    driver, cuda_driver = _driver() if gpu_list or torch.cuda.is_available() else (None, None)
+    commit, dirty = _git_commit()
+    cudnn = None
+    if torch.cuda.is_available():
+        with contextlib.suppress(Exception):
+            cudnn = torch.backends.cudnn.version()
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(), "command": command,
+        "python": platform.python_version(), "platform": platform.platform(), "cpu": _cpu_model(),
+        "cpu_count": os.cpu_count() or 0, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "cudnn": cudnn, "nccl": _nccl_version(), "torchvision": _torchvision_version(),
+        "driver": driver, "cuda_driver": cuda_driver,
+        "gpu_model": ", ".join(sorted({g["name"] for g in gpu_list})) or None, "gpus": gpu_list,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "commit": commit, "commit_dirty": dirty,
+    }
+
+
+def versions(env: dict) -> str:
+    """`torch 2.14.1, CUDA 12.8, cuDNN 91000, NCCL 2.21.5, driver 580.1; commit 0123456789ab`"""
+    parts = [f"torch {env['torch']}"]
+    for key, label in (("torch_cuda", "CUDA"), ("cudnn", "cuDNN"), ("nccl", "NCCL")):
+        if env.get(key):
+            parts.append(f"{label} {env[key]}")
+    parts.append(f"driver {env['driver']}" if env.get("driver") else "no GPU driver")
+    commit = env["commit"][:12] if env.get("commit") else "unknown commit (no .git; set GIT_COMMIT)"
+    if env.get("commit_dirty"):
+        commit += " + uncommitted changes"
+    return ", ".join(parts) + f"; commit {commit}"

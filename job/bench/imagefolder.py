@@ -1,0 +1,70 @@
+"""bench.imagefolder: JPEG files generated on disk, so the imagefolder rows decode real files like ImageNet's."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("job")
+IMAGE_CLASSES = 10
+
+
+def _make_images(args: tuple[str, list[tuple[int, int]], int]) -> int:
+    """Write JPEGs [(index, class)] under root: smooth random colour fields with grain, 400-500 px a side,
+    so their size and decode cost are like ImageNet's. Returns the bytes written."""
+    import numpy as np
+    from PIL import Image
+
+    root, items, seed = args
+    total = 0
+    for i, cls in items:
+        rng = np.random.default_rng(seed * 1_000_003 + i)
+        w, h = (int(v) for v in rng.integers(400, 501, size=2))
+        small = rng.integers(0, 256, size=(int(rng.integers(6, 24)), int(rng.integers(6, 24)), 3), dtype=np.uint8)
+        img = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC), dtype=np.int16)
+        img = img + rng.normal(0, 10, size=(h, w, 3)).astype(np.int16)
+        path = Path(root) / f"class_{cls:02d}" / f"img_{i:06d}.jpg"
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(path, "JPEG", quality=90)
+        total += path.stat().st_size
+    return total
+
+
+def image_folder(root: Path, images: int, *, seed: int = 0) -> dict[str, Any]:
+    """An ImageFolder root of `images` generated JPEGs in IMAGE_CLASSES classes, reused when its
+    MANIFEST.json says it holds the same; returns the manifest (path, images, classes, bytes, generated_s)."""
+    manifest = root / "MANIFEST.json"
+    want = {"images": images, "classes": IMAGE_CLASSES, "seed": seed, "format": 1}
+    if manifest.is_file():
+        with contextlib.suppress(OSError, ValueError):
+            doc = json.loads(manifest.read_text())
+            if {k: doc.get(k) for k in want} == want:
+                log.info("bench: reusing %d generated JPEG files in %s", images, root)
+                return {"path": str(root), "images": images, "classes": IMAGE_CLASSES, "bytes": int(doc["bytes"]),
+                        "generated_s": None}
+    shutil.rmtree(root, ignore_errors=True)
+    for c in range(IMAGE_CLASSES):
+        (root / f"class_{c:02d}").mkdir(parents=True, exist_ok=True)
+    log.info("bench: generating %d JPEG files in %s (once; later benches reuse them)", images, root)
+    t = time.monotonic()
+    items = [(i, i % IMAGE_CLASSES) for i in range(images)]
+    procs = max(1, min(os.cpu_count() or 1, 16, images // 100))
+    chunks = [(str(root), items[j::procs], seed) for j in range(procs)]
+    if procs == 1:
+        total = _make_images(chunks[0])
+    else:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(procs) as pool:
+            total = sum(pool.map(_make_images, chunks))
+    took = round(time.monotonic() - t, 2)
+    doc = {**want, "bytes": total, "generated_s": took}
+    tmp = manifest.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    tmp.replace(manifest)  # written last: a half-generated folder is regenerated next time
+    return {"path": str(root), "images": images, "classes": IMAGE_CLASSES, "bytes": total, "generated_s": took}

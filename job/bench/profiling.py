@@ -1,0 +1,222 @@
+"""bench.mode=profile, both sides: the bench starts one fresh process per strategy (`profile_workload`),
+which runs `python -m job.bench` (`profile_main`): the trainer's own loop under torch.profiler, the phases
+timed between device syncs (`profile_step`), written to profile-<workload>-<strategy>.txt/.json and a
+Chrome trace.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from job import config as config_mod
+from job.bench.results import workload_result
+from job.bench.settings import _multi_process
+from job.bench.table import _grid
+from job.errors import EXIT_OK, EXIT_USAGE, UsageError
+
+if TYPE_CHECKING:
+    from job.bench.runner import Bench
+
+PROFILE_ENV = "JOB_BENCH_PROFILE_OUT"
+# Phases in display order: (name, depth). "forward" and below exist where the strategy has them
+# (dp on several GPUs: DataParallel's scatter/replicate/parallel_apply/gather).
+PHASES = (("data", 0), ("forward+loss", 0), ("forward", 1), ("scatter", 2), ("replicate", 2),
+          ("parallel_apply", 2), ("gather", 2), ("loss", 1), ("backward", 0), ("optimizer", 0))
+
+
+class _Phases:
+    """Wall time per phase, each phase between device syncs (so its GPU work is inside it), while on."""
+
+    def __init__(self, devices):
+        self.devices = [d for d in devices if d.type == "cuda"]
+        self.on = False
+        self.seconds: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
+
+    def sync(self) -> None:
+        import torch
+
+        for d in self.devices:
+            torch.cuda.synchronize(d)
+
+    def wrap(self, name: str, fn):
+        from torch.profiler import record_function
+
+        def timed(*args, **kwargs):
+            if not self.on or threading.current_thread() is not threading.main_thread():
+                return fn(*args, **kwargs)
+            self.sync()
+            t = time.perf_counter()
+            with record_function(f"bench.{name}"):
+                out = fn(*args, **kwargs)
+            self.sync()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return out
+
+        return timed
+
+    def wrap_iter(self, name: str, it):
+        nxt = self.wrap(name, lambda: next(it))
+        while True:
+            yield nxt()
+
+
+def _ms(event, *names: str) -> float:
+    for n in names:
+        v = getattr(event, n, None)
+        if v is not None:
+            return float(v) / 1e3  # the profiler counts microseconds
+    return 0.0
+
+
+def profile_step(cfg, out: Path) -> dict[str, Any]:
+    """Train cfg.train.steps steps; profile the steps after cfg.train.timing_warmup; write out.{txt,json}
+    and the trace (out.trace.json.gz). Single-process strategies only."""
+    import torch
+    from torch import nn
+    from torch.profiler import ProfilerActivity, profile
+
+    from job import launch
+    from job.train import Trainer
+
+    warm, last = int(cfg.train.timing_warmup), int(cfg.train.steps)
+    trainer = Trainer(cfg, launch.DistEnv(0, 1, 0))
+    backward = torch.Tensor.backward
+    try:
+        phases = _Phases(trainer.devices)
+        cuda = trainer.device.type == "cuda"
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        prof = profile(activities=activities)
+        s = trainer.strategy
+        # Instrument the instances (and Tensor.backward, in this process only): the trainer's loop runs as is.
+        s.loss = phases.wrap("forward+loss", s.loss)
+        if s.loss_fn is not None:
+            s.loss_fn = phases.wrap("loss", s.loss_fn)
+        fwd = getattr(s, "forward", None)
+        if isinstance(fwd, nn.DataParallel):
+            for name in ("scatter", "replicate", "parallel_apply", "gather"):
+                setattr(fwd, name, phases.wrap(name, getattr(fwd, name)))
+        if fwd is not None:
+            s.forward = phases.wrap("forward", fwd)
+        trainer.optimizer.step = phases.wrap("optimizer", trainer.optimizer.step)
+        trainer.batches = phases.wrap_iter("data", trainer.batches)
+        torch.Tensor.backward = phases.wrap("backward", backward)
+        clock: dict[str, float] = {}
+        on_step_end = s.on_step_end
+
+        def hook(step: int) -> None:
+            on_step_end(step)
+            if step == warm:
+                phases.sync()
+                prof.start()
+                phases.on, clock["t0"] = True, time.perf_counter()
+            elif phases.on and step == last:
+                phases.sync()
+                clock["t1"] = time.perf_counter()
+                phases.on = False
+                prof.stop()
+
+        s.on_step_end = hook
+        trainer.fit()
+    finally:
+        torch.Tensor.backward = backward
+        trainer.close()
+    if "t1" not in clock:
+        raise RuntimeError(f"the profiled window (steps {warm + 1}-{last}) did not run")
+    steps = last - warm
+    step_ms = (clock["t1"] - clock["t0"]) * 1e3 / steps
+    rows = [{"name": n, "depth": d, "ms_per_step": phases.seconds[n] * 1e3 / steps,
+             "share": phases.seconds[n] * 1e3 / steps / step_ms, "calls": phases.calls[n]}
+            for n, d in PHASES if n in phases.seconds]
+    other = step_ms - sum(r["ms_per_step"] for r in rows if r["depth"] == 0)
+    rows.append({"name": "other (zero_grad, lr, grad sync hooks, step bookkeeping)", "depth": 0,
+                 "ms_per_step": other, "share": other / step_ms, "calls": steps})
+    sort_by = "self_cuda_ms" if cuda else "self_cpu_ms"
+    ops = []
+    for e in prof.key_averages():
+        if e.key.startswith(("bench.", "ProfilerStep")):
+            continue
+        ops.append({"name": e.key, "calls": int(e.count),
+                    "self_cuda_ms": _ms(e, "self_device_time_total", "self_cuda_time_total"),
+                    "self_cpu_ms": _ms(e, "self_cpu_time_total")})
+    ops = sorted(ops, key=lambda o: -o[sort_by])[:15]
+    trace = out.parent / (out.name + ".trace.json.gz")
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    where = (f"{len(trainer.devices)} GPU(s)" if cuda else "CPU")
+    note = ("phases are timed between device syncs, so each holds its own GPU work; overlap between phases "
+            "is removed, so the step is a little slower than unprofiled")
+    lines = [f"profile {cfg.strategy.name}, {cfg.workload.name}, global batch {cfg.train.batch_size}, {where}: "
+             f"{steps} steps after {warm} warm-up, {step_ms:.2f} ms per step", f"({note})"]
+    lines += _grid(["phase", "ms/step", "share", "calls"],
+                   [["  " * r["depth"] + r["name"], f"{r['ms_per_step']:.2f}", f"{r['share']:.1%}", str(r["calls"])]
+                    for r in rows])
+    lines.append(f"top {len(ops)} operators by self {'CUDA' if cuda else 'CPU'} time over the {steps} steps:")
+    lines += _grid(["operator", "self CUDA ms", "self CPU ms", "calls"],
+                   [[o["name"][:60], f"{o['self_cuda_ms']:.2f}", f"{o['self_cpu_ms']:.2f}", str(o["calls"])]
+                    for o in ops])
+    lines.append(f"trace (chrome://tracing, Perfetto): {trace}")
+    doc = {"workload": cfg.workload.name, "strategy": cfg.strategy.name, "device": str(trainer.device.type),
+           "warmup": warm, "steps": steps, "step_ms": step_ms, "phases": rows, "sort_by": sort_by, "top_ops": ops,
+           "summary": "\n".join(lines), "trace": str(trace), "note": note}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".txt").write_text(doc["summary"] + "\n")
+    out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
+
+
+def profile_main(argv: list[str]) -> int:
+    """`python -m job.bench [--config FILE] key=value ...` with JOB_BENCH_PROFILE_OUT=<path without suffix>:
+    what bench.mode=profile runs per strategy in a fresh process."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        from job import devices
+
+        devices.prepare_environment()
+        out = os.environ.get(PROFILE_ENV)
+        if not out:
+            raise UsageError(f"{PROFILE_ENV} is not set; run `python -m job bench bench.mode=profile` instead")
+        cfg = config_mod.load(argv)
+        if _multi_process(cfg.strategy.name):
+            raise UsageError(f"the profile runs one process; strategy {cfg.strategy.name} runs one per card")
+        doc = profile_step(cfg, Path(out))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    print(doc["summary"], flush=True)
+    return EXIT_OK
+
+
+def profile_workload(bench: Bench, workload: str) -> dict[str, Any]:
+    """profile: one profiled process per strategy; its profile-<workload>-<strategy>.json joins the result."""
+    ref_cfg = bench.ref_cfg(workload)
+    runs, profiles = [], []
+    total = bench.b.warmup + bench.b.profile_steps
+    for s in bench.b.strategies:
+        if bench.interrupted:
+            break
+        out = bench.out / f"profile-{workload}-{s}"
+        row = bench.run_one(workload, f"profile-{s}", "profile", s, module="job.bench",
+                            extra=[f"train.log_every={total}"], steps=bench.b.profile_steps,
+                            env={PROFILE_ENV: str(out)})
+        runs.append(row)
+        if row["status"] == "ok":
+            try:
+                profiles.append(json.loads(out.with_suffix(".json").read_text()))
+            except (OSError, ValueError) as e:
+                bench._fail(row, f"the profile finished but {out.with_suffix('.json')} cannot be read: {e}")
+    return workload_result(workload, ref_cfg, cards=bench.cards, runs=runs, profiles=profiles)

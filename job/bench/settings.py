@@ -1,0 +1,141 @@
+"""The bench's settings: bench.* checked before anything runs, and what every run is given besides.
+
+Every trainer run gets the user's overrides (`user_overrides`: what the command line and --config changed
+against the workload's preset), the strategy as a preset or a registered name (`_strategy_arg`), and the
+bench's own keys (BENCH_KEYS, set by job.bench.runner). A setting out of range, an unknown strategy or
+workload is refused here (UsageError: exit 2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from job import config as config_mod
+from job.bench.imagefolder import IMAGE_CLASSES
+from job.errors import UsageError
+
+# Keys the benchmark sets on every run; the user's values for them are not passed on.
+BENCH_KEYS = ("train.steps", "train.timing_warmup", "train.log_every", "train.checkpoint_every",
+              "train.run_dir", "train.run_id", "train.resume")
+# Keys that pick what is compared rather than how it runs.
+PICK_KEYS = ("strategy.name", "workload.name")
+
+
+def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in node.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def user_overrides(cfg) -> dict[str, Any]:
+    """What the command line and --config changed against the workload's preset: {dotted key: value}.
+
+    These go to every run (every maxbatch trial too). The bench's own keys, the strategy/workload
+    picks and bench.* do not.
+    """
+    from omegaconf import OmegaConf
+
+    base = config_mod.load([f"workload={cfg.workload.name}"])
+    have = _flatten(OmegaConf.to_container(cfg, resolve=True))
+    ref = _flatten(OmegaConf.to_container(base, resolve=True))
+    return {k: v for k, v in have.items()
+            if ref.get(k) != v and not k.startswith("bench.") and k not in BENCH_KEYS + PICK_KEYS}
+
+
+def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in flat.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def _strategy_arg(name: str) -> str:
+    return f"strategy={name}" if name in config_mod.preset_names("strategy") else f"strategy.name={name}"
+
+
+def _registered_name(name: str) -> str:
+    """The registry name a strategy preset selects (the preset's strategy.name; else the name itself)."""
+    path = config_mod.CONF_DIR / "strategy" / f"{name}.yaml"
+    if path.is_file():
+        from omegaconf import OmegaConf
+
+        picked = OmegaConf.select(OmegaConf.load(path), "strategy.name")
+        if picked:
+            return str(picked)
+    return name
+
+
+def _unknown_strategy(name: str, key: str) -> str | None:
+    """Why `name` (a preset or a registered strategy) cannot run, or None."""
+    from job.strategies import REGISTRY
+
+    presets = config_mod.preset_names("strategy")
+    real = _registered_name(name)
+    if real in REGISTRY:
+        return None
+    choices = ", ".join(sorted(set(presets) | set(REGISTRY)))
+    if name in presets:
+        return (f"strategy preset `{name}` in {key} selects `{real}`, which job.strategies.REGISTRY does not "
+                f"have; choose from: {choices}")
+    return f"unknown strategy `{name}` in {key}; choose from: {choices}"
+
+
+def _multi_process(name: str) -> bool:
+    from job.strategies import REGISTRY
+
+    return REGISTRY[_registered_name(name)].multi_process
+
+
+def _check(b) -> None:
+    if b.warmup < 1:
+        raise UsageError(f"bench.warmup={b.warmup} must be at least 1: the first steps include CUDA/cuDNN "
+                         "start-up and must not be timed")
+    for key in ("steps", "cpu_procs", "timeout_min", "telemetry_repeats", "repeats", "maxbatch_trials",
+                "profile_steps"):
+        if getattr(b, key) < 1:
+            raise UsageError(f"bench.{key}={getattr(b, key)} must be at least 1")
+    if b.maxbatch_steps < 2:
+        raise UsageError(f"bench.maxbatch_steps={b.maxbatch_steps} must be at least 2: the first step is "
+                         "warm-up, peaks are taken over the others")
+    if b.maxbatch_start < 0:
+        raise UsageError(f"bench.maxbatch_start={b.maxbatch_start} must not be negative (0: train.batch_size)")
+    if not b.maxbatch_minutes > 0:
+        raise UsageError(f"bench.maxbatch_minutes={b.maxbatch_minutes} must be positive")
+    if not 0 <= b.maxbatch_precision < 1:
+        raise UsageError(f"bench.maxbatch_precision={b.maxbatch_precision} must be in [0, 1) (0: exact)")
+    if b.tenant_gb < 0:
+        raise UsageError(f"bench.tenant_gb={b.tenant_gb} must not be negative (0: no tenant)")
+    if b.imagefolder_images < IMAGE_CLASSES:
+        raise UsageError(f"bench.imagefolder_images={b.imagefolder_images} must be at least {IMAGE_CLASSES} "
+                         "(one per class)")
+    if not b.scrape_interval_s > 0:
+        raise UsageError(f"bench.scrape_interval_s={b.scrape_interval_s} must be positive")
+    if not b.strategies:
+        raise UsageError("bench.strategies is empty; give e.g. strategies=[dp,ddp]")
+    names = [(s, "bench.strategies") for s in b.strategies]
+    if b.mode == "compare" and b.baseline not in ("", "none"):
+        names.append((b.baseline, "bench.baseline"))
+    if b.mode == "compare" and b.telemetry_overhead:
+        names.append((b.telemetry_strategy, "bench.telemetry_strategy"))
+    for name, key in names:
+        why = _unknown_strategy(name, key)
+        if why:
+            raise UsageError(why)
+    if b.mode == "profile":
+        multi = [s for s in b.strategies if _multi_process(s)]
+        if multi:
+            raise UsageError(f"bench.mode=profile profiles one process; {', '.join(multi)} runs one process per "
+                             "card: profile a single-process strategy, e.g. strategies=[dp]")
+    workloads = config_mod.preset_names("workload")
+    for w in b.workloads:
+        if w not in workloads:
+            raise UsageError(f"unknown workload `{w}` in bench.workloads; choose from: {', '.join(workloads)}")

@@ -1,0 +1,136 @@
+"""The tables the bench prints last, one per workload (compare, maxbatch, profile), from bench.json's document."""
+
+from __future__ import annotations
+
+from job.bench.environment import versions
+from job.bench.results import _card_key
+from job.bench.settings import _registered_name
+
+MB = 1024 * 1024  # MB in tables means MiB, as in the trainer's table (job/report.py)
+
+
+def _fmt(s: dict | None, scale: float = 1.0, spec: str = ",.0f", suffix: str = "") -> str:
+    """`median` for one run (or equal values), else `median (min-max)`."""
+    if s is None:
+        return "-"
+    med = format(s["median"] / scale, spec) + suffix
+    if s["n"] < 2 or s["min"] == s["max"]:
+        return med
+    return f"{med} ({format(s['min'] / scale, spec)}-{format(s['max'] / scale, spec)})"
+
+
+def _header(doc: dict) -> list[str]:
+    lines = [versions(doc["environment"])]
+    if doc.get("tenant"):
+        t = doc["tenant"]
+        lines.append(f"tenant: another process (pid {t['pid']}) held {t['gb']:g} GB on {t['device']} during every run")
+    return lines
+
+
+def _grid(head: list[str], body: list[list[str]]) -> list[str]:
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
+    widths[-1] = len(head[-1])  # the last column may be long: leave it ragged
+    fmt = "  ".join(f"{{:<{n}}}" for n in widths)
+    return ([fmt.format(*head).rstrip(), fmt.format(*("-" * n for n in widths))]
+            + [fmt.format(*row).rstrip() for row in body])
+
+
+def table(doc: dict, w: dict) -> str:
+    if w.get("maxbatch") is not None:
+        return _maxbatch_table(doc, w)
+    if w.get("profiles") is not None:
+        return _profile_table(doc, w)
+    s = doc["settings"]
+    unit = f"{w['unit']}/s"
+    where = f"{w['cards']} GPU(s)" if doc["device"] == "cuda" else f"CPU, {w['cards']} ddp processes"
+    warm, steps, reps = s["warmup"], s["steps"], s["repeats"]
+    lines = [f"== bench {w['workload']}: global batch {w['global_batch']}, {where}, {warm} warm-up + {steps} "
+             f"timed steps, {reps} repeat(s) (order rotated each repeat)",
+             f"per-card peaks over the timed steps {warm + 1}-{warm + steps} (each run resets its peak counters "
+             "when timing starts); cells: median (min-max) over the repeats", *_header(doc)]
+    head = ["run", "strategy", "data", "procs/cards", "peak alloc MB", "peak reserved MB", "NVML used MB",
+            "busiest/least", unit, "scaling vs 1", "status"]
+    body = []
+    for r in w["summary"]:
+        ok = r["ok"] > 0
+
+        def cards(key: str, r=r, ok=ok) -> str:
+            if not ok:
+                return "-"
+            if not r["cards"] or any(c[key] is None for c in r["cards"]):
+                return "n/a"
+            return " / ".join(_fmt(c[key], MB) for c in r["cards"])
+
+        scaling = ("baseline" if r["kind"] == "baseline" and ok else
+                   f"{r['scaling_vs_1']:.1%}" if r["scaling_vs_1"] is not None else "-")
+        status = r["status"] + ("" if r["same_window"] else f" (peaks over steps {r['peak_window']}: not the timed steps)")
+        body.append([
+            r["name"], _registered_name(r["strategy"]), r["data"], f"{r['world_size']}/{r['units']}" if ok else "-",
+            cards("peak_allocated_bytes"), cards("peak_reserved_bytes"), cards("nvml_used_bytes"),
+            _fmt(r["imbalance"], 1, ".2f", "x"),
+            _fmt(r["units_per_s"]), scaling, status,
+        ])
+    lines += _grid(head, body)
+    if doc["device"] == "cpu":
+        lines.append("(CPU: no per-card memory; throughput numbers only exercise the path)")
+    if w["comparisons"]:
+        lines.append("ratios of medians (a claim only where the repeats' ranges do not overlap):")
+        for c in w["comparisons"]:
+            what = unit if c["metric"] == "units_per_s" else "busiest card's peak allocated"
+            ratio = f"{c['ratio']:.2f}x" if c["ratio"] is not None else "n/a"
+            lines.append(f"  {c['a']} / {c['b']}: {what} {ratio}: {c['verdict']}")
+    if w.get("imagefolder"):
+        i = w["imagefolder"]
+        lines.append(f"imagefolder: {i['images']} generated JPEG files ({i['bytes'] / i['images'] / 1e3:.0f} kB "
+                     f"each on average, {i['classes']} classes) in {i['path']}")
+    o = w["telemetry_overhead"]
+    if o is not None:
+        if o["overhead"] is None:
+            lines.append(f"telemetry overhead ({o['strategy']}): not measured: {o['note']}")
+        else:
+            lines.append(f"telemetry overhead ({o['strategy']}, {o['repeats']} pair(s), scraped every "
+                         f"{o['scrape_interval_s']:g} s, {o['scrapes_ok']} scrapes): step "
+                         f"{o['off_median_step_s'] * 1e3:.2f} ms off -> {o['on_median_step_s'] * 1e3:.2f} ms on "
+                         f"= {o['overhead']:+.2%}" + (f" ({o['note']})" if o["note"] else ""))
+    return "\n".join(lines)
+
+
+def _maxbatch_table(doc: dict, w: dict) -> str:
+    m = doc["settings"]["maxbatch"]
+    where = f"{w['cards']} GPU(s)" if doc["device"] == "cuda" else f"CPU, {w['cards']} ddp processes"
+    lines = [f"== bench maxbatch {w['workload']}: the largest global batch each strategy trains, {where}; "
+             f"trials of {m['steps']} steps, peaks over steps 2-{m['steps']}", *_header(doc)]
+    unit = f"{w['unit']}/s"
+    head = ["strategy", "largest batch", "too big at", "batches", "peak alloc MB at largest",
+            "peak reserved MB", "NVML used MB", unit, "trials", "note"]
+    body = []
+    for r in w["maxbatch"]:
+        cards = sorted(r["cards"], key=_card_key)
+
+        def col(key: str, cards=cards) -> str:
+            if not cards:
+                return "n/a" if doc["device"] == "cpu" else "-"
+            return " / ".join("n/a" if c[key] is None else f"{c[key] / MB:,.0f}" for c in cards)
+
+        note = r["stopped"] or ("exact" if r["exact"] else f"within {m['precision']:.0%}")
+        if r["largest"] is None and not r["error"]:
+            note = f"even {r['minimum']} does not fit" if r["smallest_too_big"] == r["minimum"] else note
+        body.append([r["strategy"], str(r["largest"] or "-"), str(r["smallest_too_big"] or "-"),
+                     f"{r['granularity']}k >= {r['minimum']}", col("peak_allocated_bytes"),
+                     col("peak_reserved_bytes"), col("nvml_used_bytes"),
+                     f"{r['units_per_s']:,.0f}" if r["units_per_s"] else "-", str(len(r["trials"])), note])
+    lines += _grid(head, body)
+    for r in w["maxbatch"]:
+        lines.append(f"  {r['strategy']} trials: " + ", ".join(
+            f"{t['batch']} {t['outcome'].replace('_', ' ')}" for t in r["trials"]))
+    return "\n".join(lines)
+
+
+def _profile_table(doc: dict, w: dict) -> str:
+    lines = [f"== bench profile {w['workload']}", *_header(doc)]
+    for p in w["profiles"]:
+        lines.append(p["summary"])
+    for r in w["runs"]:
+        if r["status"] != "ok":
+            lines.append(f"{r['name']}: {r['status']}: {r['reason']}")
+    return "\n".join(lines)

@@ -1,0 +1,61 @@
+"""`TrainingCollector`: step-time histogram, samples counter, loss and `trainjob_info` of one rank, fed by
+`observe()` (three additions under a lock: the loop never waits on a scrape)."""
+
+from __future__ import annotations
+
+import threading
+
+from job.telemetry.labels import RANK_LABELS
+
+# Step times from a few ms (tiny on CPU) to a minute (a large LM step with accumulation).
+STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class TrainingCollector:
+    """Step-time histogram, samples counter, last loss and the info metric of one rank."""
+
+    def __init__(self, *, labels: dict[str, str], info: dict[str, str]):
+        self.labels = labels  # rank, local_rank, uuid, strategy, run
+        self.info = info
+        self._lock = threading.Lock()
+        self._buckets = [0] * (len(STEP_BUCKETS) + 1)
+        self._sum = 0.0
+        self._samples = 0
+        self._loss: float | None = None
+
+    def observe(self, seconds: float, samples: int, loss: float | None) -> None:
+        i = 0
+        while i < len(STEP_BUCKETS) and seconds > STEP_BUCKETS[i]:
+            i += 1
+        with self._lock:
+            self._buckets[i] += 1
+            self._sum += seconds
+            self._samples += samples
+            if loss is not None:
+                self._loss = float(loss)
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        with self._lock:
+            counts, total, samples, loss = list(self._buckets), self._sum, self._samples, self._loss
+        row = [self.labels[k] for k in RANK_LABELS]
+        cumulative, running = [], 0
+        for bound, n in zip((*STEP_BUCKETS, float("inf")), counts, strict=True):
+            running += n
+            cumulative.append(("+Inf" if bound == float("inf") else repr(bound), running))
+        hist = HistogramMetricFamily("trainjob_step_seconds", "Wall time of one optimizer step on this rank.",
+                                     labels=RANK_LABELS)
+        hist.add_metric(row, cumulative, total)
+        yield hist
+        ctr = CounterMetricFamily("trainjob_samples", "Samples this rank has trained on.", labels=RANK_LABELS)
+        ctr.add_metric(row, float(samples))
+        yield ctr
+        if loss is not None:
+            g = GaugeMetricFamily("trainjob_loss", "Training loss at the last logged step.", labels=RANK_LABELS)
+            g.add_metric(row, loss)
+            yield g
+        info = GaugeMetricFamily("trainjob_info", "The run's configuration summary (value always 1).",
+                                 labels=list(self.info))
+        info.add_metric(list(self.info.values()), 1.0)
+        yield info
