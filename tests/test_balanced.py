@@ -418,3 +418,23 @@ def test_bucket_mb_is_checked(tmp_path):
 def test_buckets_overlap_the_backward_and_train_like_one_process_on_two_cards(gpu0):
     """On 2 cards the buckets are summed by NCCL on side streams from the autograd threads."""
     _train_like_one_process([torch.device("cuda", 0), torch.device("cuda", 1)], gpu0, torch.float64)
+
+
+def test_buffers_that_are_not_statistics_stay_exact():
+    """Only normalisation statistics are averaged: a constant table (a mask, rotary angles) must not drift by
+    a rounding step after every uneven micro-step."""
+    torch.manual_seed(0)
+    model = _BNNet()
+    table = torch.randn(7) * 1e3
+    model.register_buffer("table", table.clone())
+    s = _strategy(3, "1", micro=12)
+    s.setup(model, _ce)
+    try:
+        for _ in range(3):
+            x, y = torch.randn(12, 3, 8, 8), torch.randint(0, 4, (12,))
+            with s.backward_sync(True):
+                s.loss(x, y).backward()
+        assert all(torch.equal(r.table, table) for r in s.replicas)
+        assert len(s._stats[0].views) == 3  # running mean, var, batches tracked of the one BatchNorm
+    finally:
+        s.teardown()

@@ -80,8 +80,9 @@ class BalancedStrategy(Strategy):
         plain = self._plain_replicas()
         self._params = [list(r.parameters()) for r in plain]
         if len(self.replicas) > 1:
-            # Each replica's statistics in two flat tensors (floats, counters): one kernel averages them all.
-            bufs = [list(r.buffers()) for r in plain]
+            # Each replica's normalisation statistics in flat tensors (floats, counters): one kernel
+            # averages them all. Other buffers (masks, tables) are the same on every replica and left alone.
+            bufs = [_running_stats(r) for r in plain]
             floats = [i for i, b in enumerate(bufs[0]) if b.is_floating_point()]
             others = [i for i, b in enumerate(bufs[0]) if not b.is_floating_point()]
             groups = comm.group_by(bufs[0], floats) + comm.group_by(bufs[0], others)
@@ -205,7 +206,7 @@ class BalancedStrategy(Strategy):
             self.reducer.finish()
 
     def _average_buffers(self, sizes: list[int]) -> None:
-        """After a micro-step, every replica's BatchNorm statistics become the sample-weighted mean of what
+        """After a micro-step, every replica's running statistics (BatchNorm, InstanceNorm) become the sample-weighted mean of what
         the replicas computed (for running means this equals one process's update on the whole batch);
         counters (num_batches_tracked) come from the replica with the largest share. A card with a small
         or empty share therefore neither loses nor dilutes the statistics, and replica 0 (which the
@@ -260,3 +261,10 @@ class BalancedStrategy(Strategy):
             self.reducer.remove()
             self.reducer = None
 
+
+def _running_stats(module: nn.Module) -> list[torch.Tensor]:
+    """The running statistics of the normalisation layers (running mean/var, batches tracked), in order."""
+    from torch.nn.modules.batchnorm import _NormBase
+
+    return [b for m in module.modules() if isinstance(m, _NormBase)
+            for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
