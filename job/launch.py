@@ -251,7 +251,7 @@ def spawn(cfg, nprocs: int) -> int:
             # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once (else each
             # rank would see it twice and take it for the second, immediate one).
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-        log.info("ddp: started %d ranks (pids %s)", nprocs, " ".join(str(p.pid) for p in procs))
+        log.info("%s: started %d ranks (pids %s)", cfg.strategy.name, nprocs, " ".join(str(p.pid) for p in procs))
 
         def forward(signum, _frame):
             for p in procs:

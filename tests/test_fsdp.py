@@ -1,0 +1,112 @@
+"""`fsdp` (FSDP2 fully_shard) through the real entry point: 2 gloo ranks on the CPU against one process,
+checkpoints that move between fsdp, ddp and one process, refusals; on 2 GPUs, the per-card memory it saves."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from conftest import ROOT, job_cmd, requires_gpus
+from test_train import assert_same_weights, final_model, train
+
+# A small decoder LM: tied embedding/head, transformer blocks as sharding units, AdamW (the lm preset).
+LM = ["workload=lm", "workload.layers=2", "workload.d_model=32", "workload.heads=2", "workload.vocab=128",
+      "workload.seq_len=16", "train.lr=1e-3"]
+
+
+def run(tmp, run_id, *args):
+    p = train(tmp, run_id, *args)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def assert_same_optimizer(a: dict, b: dict) -> None:
+    """Same shape as one process's optimizer.state_dict(): integer ids, same groups, close values."""
+    assert sorted(a["state"]) == sorted(b["state"]) == list(range(len(a["state"])))
+    assert [g["params"] for g in a["param_groups"]] == [g["params"] for g in b["param_groups"]]
+    assert [{k: v for k, v in g.items() if k != "params"} for g in a["param_groups"]] == \
+        [{k: v for k, v in g.items() if k != "params"} for g in b["param_groups"]]
+    for i in a["state"]:
+        assert a["state"][i].keys() == b["state"][i].keys(), i
+        for k in a["state"][i]:
+            torch.testing.assert_close(a["state"][i][k], b["state"][i][k], atol=1e-5, rtol=1e-4, msg=f"{i}.{k}")
+
+
+@pytest.mark.parametrize("case", [
+    # SGD with momentum, accumulation over 2 micro-steps, clipping far below the gradient's norm (a norm
+    # taken over one rank's shards only would clip differently).
+    ["workload=tiny", "train.accum_steps=2", "train.grad_clip=0.01"],
+    # The LM: tied weights in the root unit, blocks under activation checkpointing, uneven explicit shares.
+    [*LM, "train.activation_checkpointing=true", "strategy.split=3,5", "train.grad_clip=0.05"],
+], ids=["tiny-accum2-clip", "lm-ac-uneven-clip"])
+def test_fsdp_two_ranks_equal_one_process(tmp_path, case):
+    common = ["train.steps=5", "train.batch_size=8", "train.checkpoint_every=0", *case]
+    one_args = [a for a in common if not a.startswith("strategy.split")]
+    run(tmp_path, "one", "strategy=dp", *one_args)
+    p = run(tmp_path, "two", "strategy=fsdp", "strategy.nprocs=2", *common)
+    assert "fsdp: started 2 ranks" in p.stderr and "sharding units + the root over 2 ranks" in p.stderr
+    one, two = final_model(tmp_path, "one"), final_model(tmp_path, "two")
+    assert two["world_size"] == 2 and all(not getattr(t, "is_meta", False) for t in two["model"].values())
+    assert_same_weights(one["model"], two["model"], exact=False)
+    assert_same_optimizer(one["optimizer"], two["optimizer"])
+    if "strategy.split=3,5" in case:
+        assert "memory plan (explicit): samples per micro-batch [3, 5] of 8" in p.stderr
+
+
+def test_checkpoints_move_between_fsdp_ddp_and_one_process(tmp_path):
+    """fsdp -> ddp -> fsdp -> one process, resuming each time, equals one process trained straight through."""
+    common = [*LM, "train.batch_size=8", "train.checkpoint_every=0"]
+    run(tmp_path, "straight", "strategy=dp", *common, "train.steps=8")
+    chain = [("fsdp", 2), ("ddp", 4), ("fsdp", 6), ("dp", 8)]
+    for strategy, steps in chain:
+        procs = ["strategy.nprocs=2"] if strategy != "dp" else []
+        p = run(tmp_path, "chain", f"strategy={strategy}", *procs, *common, f"train.steps={steps}")
+        if steps > 2:
+            assert f"resumed from {tmp_path / 'chain' / 'checkpoints'}" in p.stderr, p.stderr
+        saved = final_model(tmp_path, "chain")
+        assert saved["step"] == steps
+    straight = final_model(tmp_path, "straight")
+    assert_same_weights(straight["model"], saved["model"], exact=False)
+    assert_same_optimizer(straight["optimizer"], saved["optimizer"])
+
+
+@pytest.mark.parametrize("args,words", [
+    (["strategy.nprocs=1"], "fsdp shards the model over several processes"),
+    (["strategy.nprocs=2", "strategy.gpu0_batch=3"], "strategy.gpu0_batch=3 is for balanced/ddp"),
+    (["strategy.nprocs=2", "train.amp=fp16"], "fsdp does not support train.amp=fp16"),
+    (["strategy.nprocs=2", "train.batch_size=1"], "cannot give each of 2 ranks a sample"),
+], ids=["one-process", "gpu0_batch", "fp16", "batch-too-small"])
+def test_bad_combinations_are_refused(tmp_path, args, words):
+    p = train(tmp_path, "bad", "strategy=fsdp", "train.steps=2", *args, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and words in lines[0], p.stderr
+    assert not (tmp_path / "bad").exists()  # nothing touched
+
+
+# -- GPU ---------------------------------------------------------------------------------------------
+
+def _gpu_train(tmp_path, run_id, *args):
+    p = subprocess.run(job_cmd("train", f"train.run_dir={tmp_path}", f"train.run_id={run_id}", *args), cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    assert p.returncode == 0, p.stderr[-4000:]
+    return json.loads((tmp_path / run_id / "summary.json").read_text())
+
+
+@pytest.mark.gpu
+@requires_gpus(2)
+def test_fsdp_per_card_peak_is_at_most_six_tenths_of_ddp(tmp_path):
+    """~0.5B-parameter LM, AdamW, bf16: weights, gradients and optimizer state dominate, and fsdp halves them."""
+    model = ["workload=lm", "workload.layers=8", "workload.d_model=2048", "workload.heads=16",
+             "workload.seq_len=512", "train.batch_size=4", "train.amp=bf16", "train.steps=5",
+             "train.timing_warmup=2", "train.checkpoint_every=0"]
+    peaks = {}
+    for strategy in ("ddp", "fsdp"):
+        summary = _gpu_train(tmp_path, strategy, f"strategy={strategy}", *model)
+        assert summary["world_size"] == 2 and len(summary["cards"]) == 2
+        peaks[strategy] = max(c["peak_allocated_bytes"] for c in summary["cards"])
+    print({k: f"{v / 1e9:.2f} GB" for k, v in peaks.items()}, f"ratio {peaks['fsdp'] / peaks['ddp']:.3f}")
+    assert peaks["fsdp"] <= 0.6 * peaks["ddp"], peaks
