@@ -56,6 +56,39 @@ def test_fsdp_two_ranks_equal_one_process(tmp_path, case):
         assert "memory plan (explicit): samples per micro-batch [3, 5] of 8" in p.stderr
 
 
+def test_bf16_through_fsdps_policy_follows_one_process_autocast(tmp_path):
+    """bf16 weights in compute (FSDP's policy), float32 master state: the losses follow one process under bf16
+    autocast, and the checkpoint holds float32 weights, as one process's does."""
+    common = [*LM, "train.steps=6", "train.batch_size=8", "train.amp=bf16", "train.log_every=2"]
+    run(tmp_path, "one", "strategy=dp", *common)
+    p = run(tmp_path, "two", "strategy=fsdp", "strategy.nprocs=2", *common)
+    assert "all-gathered in bf16, gradients reduced in float32" in p.stderr
+
+    def losses(run_id):
+        return [json.loads(x)["loss"] for x in (tmp_path / run_id / "metrics.jsonl").read_text().splitlines()]
+
+    assert len(losses("two")) == 3
+    torch.testing.assert_close(losses("two"), losses("one"), rtol=2e-3, atol=0)
+    weights = final_model(tmp_path, "two")["model"]
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    assert weights.keys() == final_model(tmp_path, "one")["model"].keys()
+
+
+def test_sharding_units_are_the_blocks():
+    from job import config
+    from job.models import WORKLOADS
+    from job.strategies.fsdp import sharding_units
+
+    for name, count in (("tiny", 3), ("resnet50", 4), ("lm", 6)):
+        for ac in (False, True):
+            w = config.load([f"workload={name}"]).workload
+            model = WORKLOADS[name].build(w, activation_checkpointing=ac)
+            units = sharding_units(model)
+            assert len(units) == count, (name, ac)
+            # Each unit is a direct child of the model or of its block list, wrapped for recomputation when on.
+            assert all(type(u).__name__ == "_Checkpointed" for u in units) == ac, (name, ac)
+
+
 def test_checkpoints_move_between_fsdp_ddp_and_one_process(tmp_path):
     """fsdp -> ddp -> fsdp -> one process, resuming each time, equals one process trained straight through."""
     common = [*LM, "train.batch_size=8", "train.checkpoint_every=0"]
