@@ -197,7 +197,7 @@ class Trainer:
         model = self.spec.build(w, activation_checkpointing=t.activation_checkpointing)
         if t.channels_last and self.spec.is_image:
             model = model.to(memory_format=torch.channels_last)
-        self.model = model.to(self.device)
+        self.model = self.strategy.to_device(model)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp == "fp16")
         self.step, self.sample_position = 0, 0  # samples consumed: the data stream's position
         self._saved_step = -1

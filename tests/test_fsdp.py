@@ -122,24 +122,40 @@ def test_bad_combinations_are_refused(tmp_path, args, words):
 
 # -- GPU ---------------------------------------------------------------------------------------------
 
-def _gpu_train(tmp_path, run_id, *args):
+def _gpu_train(tmp_path, run_id, *args, env=None):
     p = subprocess.run(job_cmd("train", f"train.run_dir={tmp_path}", f"train.run_id={run_id}", *args), cwd=ROOT,
-                       capture_output=True, text=True, timeout=300, env=dict(os.environ))
+                       capture_output=True, text=True, timeout=300, env={**os.environ, **(env or {})})
     assert p.returncode == 0, p.stderr[-4000:]
-    return json.loads((tmp_path / run_id / "summary.json").read_text())
+    return p, json.loads((tmp_path / run_id / "summary.json").read_text())
 
 
 @pytest.mark.gpu
 @requires_gpus(2)
 def test_fsdp_per_card_peak_is_at_most_six_tenths_of_ddp(tmp_path):
-    """~0.5B-parameter LM, AdamW, bf16: weights, gradients and optimizer state dominate, and fsdp halves them."""
-    model = ["workload=lm", "workload.layers=8", "workload.d_model=2048", "workload.heads=16",
-             "workload.seq_len=512", "train.batch_size=4", "train.amp=bf16", "train.steps=5",
+    """~0.7B-parameter LM (12 x 2048), AdamW, bf16, one sample of 256 tokens per card: weights, gradients and
+    optimizer state dominate the peak, and fsdp keeps half of them per card."""
+    model = ["workload=lm", "workload.layers=12", "workload.d_model=2048", "workload.heads=16",
+             "workload.seq_len=256", "train.batch_size=2", "train.amp=bf16", "train.steps=5",
              "train.timing_warmup=2", "train.checkpoint_every=0"]
     peaks = {}
     for strategy in ("ddp", "fsdp"):
-        summary = _gpu_train(tmp_path, strategy, f"strategy={strategy}", *model)
+        _, summary = _gpu_train(tmp_path, strategy, f"strategy={strategy}", *model)
         assert summary["world_size"] == 2 and len(summary["cards"]) == 2
         peaks[strategy] = max(c["peak_allocated_bytes"] for c in summary["cards"])
     print({k: f"{v / 1e9:.2f} GB" for k, v in peaks.items()}, f"ratio {peaks['fsdp'] / peaks['ddp']:.3f}")
     assert peaks["fsdp"] <= 0.6 * peaks["ddp"], peaks
+
+
+@pytest.mark.gpu
+@requires_gpus(2)
+def test_fsdp_on_two_cards_matches_one_card_and_resumes_under_ddp(tmp_path):
+    common = ["workload=tiny", "train.batch_size=32", "train.amp=bf16", "train.cudnn_benchmark=false",
+              "train.grad_clip=0.5"]
+    _gpu_train(tmp_path, "one", "strategy=dp", *common, "train.steps=8", env={"CUDA_VISIBLE_DEVICES": "0"})
+    p, two = _gpu_train(tmp_path, "two", "strategy=fsdp", *common, "train.steps=8")
+    assert {c["device"] for c in two["cards"]} == {"cuda:0", "cuda:1"} and "per-card memory: fsdp" in p.stdout
+    a, b = final_model(tmp_path, "one")["model"], final_model(tmp_path, "two")["model"]
+    for k in a:
+        torch.testing.assert_close(a[k].float(), b[k].float(), atol=5e-2, rtol=5e-2, msg=k)
+    p, _ = _gpu_train(tmp_path, "two", "strategy=ddp", *common, "train.steps=10")
+    assert "resumed from" in p.stderr and final_model(tmp_path, "two")["step"] == 10

@@ -68,6 +68,10 @@ class Strategy:
     def check(self, *, micro_batch: int) -> None:
         """Refuse batch sizes this strategy cannot split (UsageError with the arithmetic)."""
 
+    def to_device(self, model: nn.Module) -> nn.Module:
+        """Where the freshly built model goes before checkpoint weights are loaded into it and `setup`."""
+        return model.to(self.device)
+
     def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
         self.module, self.loss_fn = model, loss_fn
         self.forward = torch.compile(model) if compile else model

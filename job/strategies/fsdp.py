@@ -7,6 +7,8 @@ gradients are reduce-scattered as each block's backward ends. The sharding unit 
 (`sharding_units`): a transformer block of `lm`, a stage (layer1-4) of `resnet50`, a conv block of `tiny`;
 what is left (embeddings, head, norms) is the root unit.
 
+- The model stays on the CPU until `setup` (`to_device`): `fully_shard` moves each unit to the card as it
+  shards it, so the whole float32 model is never on one card.
 - Mixed precision: with `train.amp=bf16`, FSDP's own policy (`MixedPrecisionPolicy(param_dtype=bf16,
   reduce_dtype=float32)`) all-gathers the weights in bf16 and computes in bf16 while the sharded master
   weights, gradients and optimizer state stay float32; the trainer's autocast is turned off inside this
@@ -88,6 +90,9 @@ class FSDPStrategy(DDPStrategy):
                 f"{self.world_size} ranks a sample; use train.batch_size >= {self.world_size} x train.accum_steps"
             )
         self.mode = parse_mode(self.cfg, self.world_size, micro_batch, minimum=self.min_share)
+        if self.device.type == "cuda" and self.cfg.backend == "gloo":
+            raise UsageError("fsdp on GPUs needs NCCL (gloo cannot reduce-scatter CUDA tensors); use "
+                             "strategy.backend=auto or nccl")
         if self.device.type == "cuda" and torch.cuda.device_count() < self._local_world():
             raise UsageError(
                 f"fsdp: {self._local_world()} ranks on this node share {torch.cuda.device_count()} visible "
@@ -102,6 +107,11 @@ class FSDPStrategy(DDPStrategy):
             return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         except ValueError:
             return 1
+
+    def to_device(self, model: nn.Module) -> nn.Module:
+        """Left on the CPU: `fully_shard` moves each unit to the card as it shards it, so the whole model never
+        sits on one card (only one unit's full weights at a time, while it is being sharded)."""
+        return model
 
     def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
