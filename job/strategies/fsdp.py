@@ -91,22 +91,20 @@ class FSDPStrategy(DDPStrategy):
             )
         self.mode = parse_mode(self.cfg, self.world_size, micro_batch, minimum=self.min_share)
         if self.device.type == "cuda" and self.cfg.backend == "gloo":
-            raise UsageError("fsdp on GPUs needs NCCL (gloo cannot reduce-scatter CUDA tensors); use "
+            raise UsageError("fsdp on GPUs needs NCCL (gloo has no all-gather or reduce-scatter of CUDA tensors); use "
                              "strategy.backend=auto or nccl")
-        if self.device.type == "cuda" and torch.cuda.device_count() < self._local_world():
-            raise UsageError(
-                f"fsdp: {self._local_world()} ranks on this node share {torch.cuda.device_count()} visible "
-                "card(s); sharding over ranks on the same card saves nothing: start one rank per card "
-                "(strategy.nprocs=0), or use strategy=ddp"
-            )
+        if self.device.type == "cuda" and self.distributed:
+            import socket
 
-    def _local_world(self) -> int:
-        import os
-
-        try:
-            return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        except ValueError:
-            return 1
+            # Ranks that share a card shard nothing away (and NCCL refuses them): compare the cards themselves,
+            # as a rank bound to its own card by Slurm or CUDA_VISIBLE_DEVICES sees it as cuda:0 too.
+            me = (socket.gethostname(), str(torch.cuda.get_device_properties(self.device).uuid))
+            cards = self.all_gather_object(me)
+            if len(set(cards)) < len(cards):
+                raise UsageError(
+                    f"fsdp: {len(cards)} ranks run on {len(set(cards))} card(s), so some share a card and sharding "
+                    "saves nothing there: start one rank per card (strategy.nprocs=0), or use strategy=ddp"
+                )
 
     def to_device(self, model: nn.Module) -> nn.Module:
         """Left on the CPU: `fully_shard` moves each unit to the card as it shards it, so the whole model never
