@@ -118,6 +118,9 @@ class TrainCfg:
     checkpoint_every: int = 100
     """Write a checkpoint every N steps (0: only at the end and on interruption). A write that fails
     (disk full) stops the run: exit 75 if an earlier checkpoint is kept, else 1."""
+    final_checkpoint: bool = True
+    """Write a checkpoint when the run reaches train.steps (false: for measurements, e.g. the largest model
+    that trains, that must not spend disk and minutes on one; a stopped run still writes its checkpoint)."""
     keep_checkpoints: int = 2
     """Checkpoints kept in the run directory (oldest deleted first; at least 1)."""
     log_every: int = 20

@@ -382,7 +382,8 @@ class Trainer:
         try:
             try:
                 stopped = self._loop()
-                self.save_checkpoint()  # still ours: a second Ctrl-C during the write leaves at once
+                if stopped or t.final_checkpoint or self._bad_loss:  # a bad loss is reported there, not written
+                    self.save_checkpoint()  # still ours: a second Ctrl-C during the write leaves at once
             finally:
                 _restore_signal_handlers(handlers)
         except ckpt.WriteFailed as e:
