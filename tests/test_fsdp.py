@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 
 import pytest
 import torch
 from conftest import ROOT, job_cmd, requires_gpus
-from test_train import assert_same_weights, final_model, train
+from test_train import SMALL, _wait_for_step, assert_same_weights, final_model, train
 
 # A small decoder LM: tied embedding/head, transformer blocks as sharding units, AdamW (the lm preset).
 LM = ["workload=lm", "workload.layers=2", "workload.d_model=32", "workload.heads=2", "workload.vocab=128",
@@ -104,6 +105,27 @@ def test_checkpoints_move_between_fsdp_ddp_and_one_process(tmp_path):
     straight = final_model(tmp_path, "straight")
     assert_same_weights(straight["model"], saved["model"], exact=False)
     assert_same_optimizer(straight["optimizer"], saved["optimizer"])
+
+
+def test_stopped_fsdp_run_checkpoints_and_resumes_to_the_same_weights(tmp_path):
+    """SIGTERM: every rank finishes its step, the gathered checkpoint is written, exit 75; the same command
+    resumes and ends where an uninterrupted run ends."""
+    args = ["strategy=fsdp", "strategy.nprocs=2", "train.steps=40", "train.checkpoint_every=0", "train.batch_size=16"]
+    run(tmp_path, "full", *args)
+    cmd = job_cmd("train", *SMALL, f"train.run_dir={tmp_path}", "train.run_id=cut", *args)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_step(tmp_path / "cut" / "metrics.jsonl", 10, proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, err
+    assert 10 <= final_model(tmp_path, "cut")["step"] < 40
+    p = run(tmp_path, "cut", *args)
+    assert "resumed from" in p.stderr
+    assert_same_weights(final_model(tmp_path, "full")["model"], final_model(tmp_path, "cut")["model"], exact=False)
 
 
 @pytest.mark.parametrize("args,words", [
