@@ -25,18 +25,18 @@ CONF_DIR = Path(__file__).parent / "conf"
 @dataclass
 class StrategyCfg:
     name: str = "ddp"
-    """Registered strategy: dp | balanced | ddp (`python -m job train --help` lists them)."""
+    """Registered strategy: dp | balanced | ddp | fsdp (`python -m job train --help` lists them)."""
     split: str = "auto"
-    """balanced/ddp: samples of each micro-batch per card (balanced) or per rank (ddp): auto (the memory
-    plan: each card's free memory and the job's measured cost per sample), even, or explicit shares in
-    card/rank order like 4,12 (they must sum to the micro-batch)."""
+    """balanced/ddp/fsdp: samples of each micro-batch per card (balanced) or per rank (ddp, fsdp): auto (the
+    memory plan: each card's free memory and the job's measured cost per sample; fsdp: even), even, or
+    explicit shares in card/rank order like 4,12 (they must sum to the micro-batch)."""
     gpu0_batch: str = "auto"
     """balanced/ddp: card 0's (rank 0's) share alone, the others even: an int (samples; balanced allows 0 =
     GPU 0 only coordinates), a fraction in (0, 1), or auto (follow strategy.split)."""
     nprocs: int = 0
-    """ddp: processes to start when launched as a plain command (0 = one per visible GPU, 1 on CPU)."""
+    """ddp/fsdp: processes to start when launched as a plain command (0 = one per visible GPU, 1 on CPU)."""
     backend: str = "auto"
-    """ddp: process-group backend: auto (nccl on GPUs, gloo on CPU) | nccl | gloo."""
+    """ddp/fsdp: process-group backend: auto (nccl on GPUs, gloo on CPU) | nccl | gloo."""
     check_replicas_every: int = 0
     """balanced: every N steps, check that the replicas' weights are still identical (fails loudly if not;
     0: never)."""
@@ -50,7 +50,7 @@ class StrategyCfg:
     find_unused_parameters: bool = False
     """ddp: let DDP tolerate parameters that get no gradient (slower)."""
     timeout_s: float = 300.0
-    """ddp: seconds a rank waits for the others (rendezvous, every collective, a checkpoint being written)
+    """ddp/fsdp: seconds a rank waits for the others (rendezvous, every collective, a checkpoint being written)
     before the job ends with a line naming the rank that did not answer; raise it for checkpoints that take
     longer to write (docs/failures.md)."""
 
@@ -125,6 +125,9 @@ class TrainCfg:
     checkpoint_every: int = 100
     """Write a checkpoint every N steps (0: only at the end and on interruption). A write that fails
     (disk full) stops the run: exit 75 if an earlier checkpoint is kept, else 1."""
+    final_checkpoint: bool = True
+    """Write a checkpoint when the run reaches train.steps (false: for measurements, e.g. the largest model
+    that trains, that must not spend disk and minutes on one; a stopped run still writes its checkpoint)."""
     keep_checkpoints: int = 2
     """Checkpoints kept in the run directory (oldest deleted first; at least 1)."""
     log_every: int = 20

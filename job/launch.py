@@ -251,7 +251,7 @@ def spawn(cfg, nprocs: int) -> int:
             # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once (else each
             # rank would see it twice and take it for the second, immediate one).
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-        log.info("ddp: started %d ranks (pids %s)", nprocs, " ".join(str(p.pid) for p in procs))
+        log.info("%s: started %d ranks (pids %s)", cfg.strategy.name, nprocs, " ".join(str(p.pid) for p in procs))
 
         def forward(signum, _frame):
             for p in procs:
@@ -277,7 +277,7 @@ def spawn(cfg, nprocs: int) -> int:
         return EXIT_INTERRUPTED
     if first is None:
         first = next(r for r, c in enumerate(codes) if c not in (EXIT_OK, EXIT_INTERRUPTED))
-    log.error("ddp: the job stopped; rank exit codes %s", ", ".join(_code_text(c) for c in codes))
+    log.error("%s: the job stopped; rank exit codes %s", cfg.strategy.name, ", ".join(_code_text(c) for c in codes))
     # The code of the rank that failed first (the cause, not a peer that left because of it); killed by
     # signal N: 128 + N, as a shell reports it.
     return codes[first] if codes[first] > 0 else 128 - codes[first]

@@ -77,7 +77,7 @@ def run(cfg) -> int:
         if n > 1:
             # Refuse a batch that cannot be split before starting n processes that would each refuse it.
             build_strategy(cfg.strategy.name, strategy_cfg=cfg.strategy, devices=[torch.device("cpu")],
-                           world_size=n).check(micro_batch=cfg.train.batch_size // cfg.train.accum_steps)
+                           world_size=n, amp=cfg.train.amp).check(micro_batch=cfg.train.batch_size // cfg.train.accum_steps)
             cfg.train.run_id = cfg.train.run_id or _new_run_id(cfg)
             return launch.spawn(cfg, n)
     env = env or launch.DistEnv(0, 1, 0)
@@ -172,7 +172,8 @@ class Trainer:
                 backend = "nccl" if self.device.type == "cuda" else "gloo"
             launch.init_group(env, backend=backend, device=self.device, timeout_s=cfg.strategy.timeout_s)
         self.strategy = build_strategy(cfg.strategy.name, strategy_cfg=cfg.strategy, devices=self.devices,
-                                       rank=env.rank, world_size=env.world_size, local_rank=env.local_rank)
+                                       rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
+                                       amp=t.amp)
         self.micro_batch = t.batch_size // t.accum_steps
         self.strategy.check(micro_batch=self.micro_batch)
         self.is_main = self.strategy.is_main
@@ -196,7 +197,7 @@ class Trainer:
         model = self.spec.build(w, activation_checkpointing=t.activation_checkpointing)
         if t.channels_last and self.spec.is_image:
             model = model.to(memory_format=torch.channels_last)
-        self.model = model.to(self.device)
+        self.model = self.strategy.to_device(model)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp == "fp16")
         self.step, self.sample_position = 0, 0  # samples consumed: the data stream's position
         self._saved_step = -1
@@ -381,7 +382,8 @@ class Trainer:
         try:
             try:
                 stopped = self._loop()
-                self.save_checkpoint()  # still ours: a second Ctrl-C during the write leaves at once
+                if stopped or t.final_checkpoint or self._bad_loss:  # a bad loss is reported there, not written
+                    self.save_checkpoint()  # still ours: a second Ctrl-C during the write leaves at once
             finally:
                 _restore_signal_handlers(handlers)
         except ckpt.WriteFailed as e:
@@ -516,12 +518,13 @@ class Trainer:
             self._nonfinite = f"rank {', '.join(map(str, bad))}"
             return
         failed = None
+        full = self.strategy.checkpoint_state(self.optimizer)  # every rank: a sharded strategy gathers here
         if self.is_main:
             from omegaconf import OmegaConf
 
             state = {
-                "model": self.model.state_dict(),
-                "optimizer": self.strategy.optimizer_state_dict(self.optimizer),
+                "model": full[0],
+                "optimizer": full[1],
                 "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
                 "step": self.step,
                 "sample_position": self.sample_position,
@@ -563,7 +566,7 @@ class Trainer:
         if self._bad_loss or not math.isfinite(self._loss_sum.item()):
             return False
         with torch.no_grad():
-            return bool(torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all())
+            return bool(torch.stack([torch.isfinite(p).all() for p in self.strategy.local_parameters()]).all())
 
     def _report_nonfinite(self) -> int:
         if self.is_main:

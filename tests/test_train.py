@@ -185,3 +185,10 @@ def test_cpu_runs_use_the_cores_that_are_not_busy(monkeypatch, cores, load, thre
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     assert train_mod._cpu_threads() == threads
+
+
+def test_final_checkpoint_off_writes_none_but_finishes(tmp_path):
+    p = train(tmp_path, "nock", "strategy=dp", "train.steps=4", "train.checkpoint_every=0", "train.final_checkpoint=false")
+    assert p.returncode == 0, p.stderr
+    assert not list((tmp_path / "nock").glob("checkpoints/step_*.pt"))
+    assert json.loads((tmp_path / "nock" / "summary.json").read_text())["steps"] == 4

@@ -28,8 +28,9 @@ class Strategy:
     min_share = 1  # fewest samples a card (balanced) or rank (ddp) may get in a split
 
     def __init__(self, scfg, *, devices: list[torch.device], rank: int = 0, world_size: int = 1,
-                 local_rank: int = 0):
+                 local_rank: int = 0, amp: str = "off"):
         self.cfg = scfg
+        self.amp = amp  # train.amp: off | bf16 | fp16 (the trainer's autocast; fsdp sets its own policy from it)
         self.devices = devices
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.module: nn.Module | None = None
@@ -67,6 +68,10 @@ class Strategy:
     def check(self, *, micro_batch: int) -> None:
         """Refuse batch sizes this strategy cannot split (UsageError with the arithmetic)."""
 
+    def to_device(self, model: nn.Module) -> nn.Module:
+        """Where the freshly built model goes before checkpoint weights are loaded into it and `setup`."""
+        return model.to(self.device)
+
     def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
         self.module, self.loss_fn = model, loss_fn
         self.forward = torch.compile(model) if compile else model
@@ -81,6 +86,17 @@ class Strategy:
 
     def load_optimizer_state_dict(self, opt, sd: dict) -> None:
         opt.load_state_dict(sd)
+
+    def checkpoint_state(self, opt) -> tuple[dict, dict] | None:
+        """(model, optimizer) state of the unwrapped model alone, on rank 0 (None elsewhere). Every rank calls
+        it: a sharded strategy gathers the full state here."""
+        if not self.is_main:
+            return None
+        return self.module.state_dict(), self.optimizer_state_dict(opt)
+
+    def local_parameters(self):
+        """The parameter tensors this process holds (its shards under fsdp), e.g. to check they are finite."""
+        return list(self.module.parameters())
 
     def on_step_end(self, step: int) -> None:
         """Called after each optimizer step (balanced checks its replicas here)."""

@@ -1,0 +1,214 @@
+"""`fsdp`: parameters, gradients and optimizer state sharded over the ranks (PyTorch FSDP2, `fully_shard`).
+
+One process per card, started like `ddp` (plain command, torchrun, Slurm, Kubernetes). Each rank keeps
+1/world of every parameter, of its gradient and of the optimizer state; a block's full weights exist only
+while that block runs (all-gathered before its forward and again before its backward, freed after), and
+gradients are reduce-scattered as each block's backward ends. The sharding unit is one block of the model
+(`sharding_units`): a transformer block of `lm`, a stage (layer1-4) of `resnet50`, a conv block of `tiny`;
+what is left (embeddings, head, norms) is the root unit.
+
+- The model stays on the CPU until `setup` (`to_device`): `fully_shard` moves each unit to the card as it
+  shards it, so the whole float32 model is never on one card.
+- Mixed precision: with `train.amp=bf16`, FSDP's own policy (`MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=float32)`) all-gathers the weights in bf16 and computes in bf16 while the sharded master
+  weights, gradients and optimizer state stay float32; the trainer's autocast is turned off inside this
+  strategy's forward, so nothing is cast twice. fp16 is refused (its loss scaler would have to agree across
+  shards on a skipped step).
+- Activation checkpointing (`train.activation_checkpointing`) wraps each block before it is sharded (the
+  order torchtitan uses): recomputation in backward runs after the block's weights are all-gathered again.
+- Batches: the per-rank shares are the memory plan's (job.memplan) as under `ddp`, and the loss is this
+  rank's sum x world / micro-batch, so the averaged gradient is the full micro-batch mean whatever the
+  split. `strategy.split=auto` gives the even split here without probing: the plan's probes run each card's
+  forward/backward on its own, and under fsdp every forward and backward is a collective of all ranks.
+  Explicit shares (`strategy.split=a,b`) work.
+- Accumulation: gradients are reduce-scattered on every micro-step (skipping it, as ddp's no_sync does,
+  would keep an unsharded gradient: the memory this strategy exists to save).
+- Checkpoints are the full, unsharded state (`get_model_state_dict`/`get_optimizer_state_dict` with
+  `full_state_dict=True, cpu_offload=True`), gathered on every rank, written by rank 0 through the usual
+  path, shaped exactly like one process's `model.state_dict()` and `optimizer.state_dict()`: a run saved
+  here resumes under ddp, balanced or one process, and the other way round.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from job import memplan
+from job.errors import UsageError
+from job.strategies.base import parse_mode
+from job.strategies.ddp import DDPStrategy
+
+log = logging.getLogger("job")
+
+
+def sharding_units(model: nn.Module) -> list[nn.Module]:
+    """The blocks each sharded on their own (the root unit holds the rest)."""
+    from job.models import DecoderLM, TinyCNN
+
+    if isinstance(model, DecoderLM):
+        return list(model.blocks)
+    if isinstance(model, TinyCNN):
+        return list(model.features)
+    stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]  # torchvision's ResNet
+    if all(isinstance(s, nn.Module) for s in stages):
+        return stages
+    return []
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class FSDPStrategy(DDPStrategy):
+    name = "fsdp"
+    multi_process = True
+
+    def check(self, *, micro_batch: int) -> None:
+        if self.world_size < 2:
+            raise UsageError(
+                "fsdp shards the model over several processes, and this run has one (one visible card, or "
+                "strategy.nprocs=1 on CPU); use 2 or more cards (or strategy.nprocs=2 on CPU), or strategy=ddp"
+            )
+        if str(self.cfg.gpu0_batch).strip().lower() != "auto":
+            raise UsageError(
+                f"strategy.gpu0_batch={self.cfg.gpu0_batch} is for balanced/ddp; under fsdp give every rank's "
+                "share with strategy.split (e.g. strategy.split=4,12), or leave gpu0_batch=auto"
+            )
+        if self.amp == "fp16":
+            raise UsageError(
+                "fsdp does not support train.amp=fp16 (its loss scaler would have to agree across shards on "
+                "skipped steps); use train.amp=bf16 (FSDP's mixed-precision policy) or off"
+            )
+        self.micro_batch = micro_batch
+        if micro_batch < self.world_size:
+            raise UsageError(
+                f"fsdp: micro-batch {micro_batch} (train.batch_size / train.accum_steps) cannot give each of "
+                f"{self.world_size} ranks a sample; use train.batch_size >= {self.world_size} x train.accum_steps"
+            )
+        self.mode = parse_mode(self.cfg, self.world_size, micro_batch, minimum=self.min_share)
+        if self.device.type == "cuda" and self.cfg.backend == "gloo":
+            raise UsageError("fsdp on GPUs needs NCCL (gloo has no all-gather or reduce-scatter of CUDA tensors); use "
+                             "strategy.backend=auto or nccl")
+        if self.device.type == "cuda" and self.distributed:
+            import socket
+
+            # Ranks that share a card shard nothing away (and NCCL refuses them): compare the cards themselves,
+            # as a rank bound to its own card by Slurm or CUDA_VISIBLE_DEVICES sees it as cuda:0 too.
+            me = (socket.gethostname(), str(torch.cuda.get_device_properties(self.device).uuid))
+            cards = self.all_gather_object(me)
+            if len(set(cards)) < len(cards):
+                raise UsageError(
+                    f"fsdp: {len(cards)} ranks run on {len(set(cards))} card(s), so some share a card and sharding "
+                    "saves nothing there: start one rank per card (strategy.nprocs=0), or use strategy=ddp"
+                )
+
+    def to_device(self, model: nn.Module) -> nn.Module:
+        """Left on the CPU: `fully_shard` moves each unit to the card as it shards it, so the whole model never
+        sits on one card (only one unit's full weights at a time, while it is being sharded)."""
+        return model
+
+    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        self.module, self.loss_fn = model, loss_fn
+        self.compile = compile
+        if not self.distributed:  # check() refuses this; kept for a strategy built by hand
+            raise UsageError("fsdp needs an initialised process group of 2 or more ranks")
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if self.amp == "bf16" else MixedPrecisionPolicy())
+        units = sharding_units(model)
+        for unit in units:
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
+        log.info("fsdp: %d sharding units + the root over %d ranks; parameters%s", len(units), self.world_size,
+                 " all-gathered in bf16, gradients reduced in float32" if self.amp == "bf16" else " in float32")
+        self.forward = torch.compile(model) if compile else model
+
+    def _wrap(self) -> None:  # sharded in setup: the optimizer must see the sharded parameters
+        pass
+
+    def plan_memory(self, ctx) -> memplan.Plan:
+        """Each rank's card (free memory, room) for the table; the split: explicit shares, else even."""
+        mine = ctx.card(self.device, f"rank {self.rank} {self.device}", self.local_rank)
+        cards = self.all_gather_object(mine)
+        plan = memplan.Plan(mode="explicit" if isinstance(self.mode, list) else "even",
+                            micro_batch=ctx.micro_batch, cards=cards, key=ctx.key)
+        if self.mode == "auto" and self.device.type == "cuda" and self.is_main:
+            log.info("fsdp: strategy.split=auto splits evenly (the memory plan cannot probe one rank alone: every "
+                     "forward and backward under fsdp is a collective); give shares with strategy.split=a,b to "
+                     "split unevenly")
+        sizes = self.mode if isinstance(self.mode, list) else memplan.even_split(ctx.micro_batch, self.world_size)
+        memplan.apply_fixed(plan, sizes)
+        self.sizes = plan.sizes
+        return plan
+
+    def loss(self, x, y):
+        """As ddp: this rank's loss sum x world / micro-batch (FSDP averages gradients over the ranks)."""
+        # FSDP's policy already computes in bf16; the trainer's autocast would only cast again.
+        with torch.autocast(self.device.type, enabled=False):
+            out = self.forward(x)
+        return self.loss_fn(out, y, reduction="sum") * (self.world_size / self.micro_batch)
+
+    def backward_sync(self, enabled: bool):
+        # Reduce-scatter on every micro-step: an unsynced gradient would be a full, unsharded copy.
+        return super(DDPStrategy, self).backward_sync(enabled)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global norm over every shard (DTensor reduces it across ranks), as one process computes it."""
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def local_parameters(self):
+        return [_local(p) for p in self.module.parameters()]
+
+    # -- checkpoints: full state, keyed as one process keys it ---------------------------------------
+    def _names(self) -> list[str]:
+        """Parameter names in the order the optimizer was built with (module.parameters())."""
+        return [n for n, _ in self.module.named_parameters()]
+
+    def checkpoint_state(self, opt) -> tuple[dict, dict] | None:
+        """Every rank takes part (the shards are gathered); rank 0 gets the full state on the CPU."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_sd = get_model_state_dict(self.module, options=options)
+        opt_sd = get_optimizer_state_dict(self.module, opt, options=options)
+        if not self.is_main:
+            return None
+        index = {name: i for i, name in enumerate(self._names())}
+        # The groups' settings as the optimizer holds them (DCP's copy turns tuples such as betas into lists).
+        groups = [{**{k: v for k, v in mine.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
+                  for mine, g in zip(opt.param_groups, opt_sd["param_groups"], strict=True)]
+        return model_sd, {"state": {index[name]: value for name, value in opt_sd["state"].items()},
+                          "param_groups": groups}
+
+    def optimizer_state_dict(self, opt) -> dict:
+        state = self.checkpoint_state(opt)
+        return state[1] if state is not None else {}
+
+    def load_optimizer_state_dict(self, opt, sd: dict) -> None:
+        """`sd` is one process's optimizer state (every rank read the checkpoint); each rank keeps its shard."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        names = self._names()
+        groups = sd.get("param_groups") or []
+        if sorted(i for g in groups for i in g.get("params", [])) != list(range(len(names))):
+            raise ValueError(f"it lists {sum(len(g.get('params', [])) for g in groups)} parameters, the model has "
+                             f"{len(names)}")
+        named = {
+            "state": {names[int(i)]: value for i, value in sd.get("state", {}).items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in groups],
+        }
+        set_optimizer_state_dict(self.module, opt, named, options=StateDictOptions(full_state_dict=True))
+        for mine, saved in zip(opt.param_groups, groups, strict=True):  # the saved settings, types and all, as
+            mine.update({k: v for k, v in saved.items() if k != "params"})  # Optimizer.load_state_dict keeps them
