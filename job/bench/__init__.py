@@ -22,8 +22,8 @@ Three modes (bench.mode):
   operators by CUDA time (CPU time without a GPU); written to profile-<workload>-<strategy>.txt/.json.
 
 Every trainer run gets the user's overrides (what the command line and --config changed against the
-workload's preset) through overrides.yaml, plus the bench's own keys: steps, warm-up, no periodic
-checkpoint, run directory. An unknown strategy is refused before anything runs (exit 2); a run that
+workload's preset) through overrides.yaml, plus the bench's own keys: steps, warm-up, no checkpoint (periodic or
+final), run directory. An unknown strategy is refused before anything runs (exit 2); a run that
 fails (OOM, crash, timeout) is reported with its error line and the others still run. With
 bench.tenant_gb, a child process holds that much memory on card 0 for the whole bench (the shared-card
 case), and is killed on every way out.

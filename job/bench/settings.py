@@ -16,7 +16,7 @@ from job.errors import UsageError
 
 # Keys the benchmark sets on every run; the user's values for them are not passed on.
 BENCH_KEYS = ("train.steps", "train.timing_warmup", "train.log_every", "train.checkpoint_every",
-              "train.run_dir", "train.run_id", "train.resume")
+              "train.final_checkpoint", "train.run_dir", "train.run_id", "train.resume")
 # Keys that pick what is compared rather than how it runs.
 PICK_KEYS = ("strategy.name", "workload.name")
 
