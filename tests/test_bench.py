@@ -631,8 +631,11 @@ def test_profile_mode_on_cpu(tmp_path):
 def test_bench_on_two_gpus(tmp_path):
     """The real thing, small: lm with 2 layers on the first 2 cards: dp piles up on card 0, ddp does not."""
     out = tmp_path / "g"
-    args = ["workload=lm", "workload.layers=2", "train.amp=bf16", "bench.warmup=5", "bench.steps=10",
-            f"bench.out={out}", "strategies=[dp,ddp]", "bench.telemetry_overhead=true", "bench.repeats=1"]
+    # A 2-layer lm trains 15 steps in well under a second on an H200: the scraper polls every 50 ms and the
+    # runs train 40 timed steps, or the telemetry run may end before its first scrape.
+    args = ["workload=lm", "workload.layers=2", "train.amp=bf16", "bench.warmup=5", "bench.steps=40",
+            f"bench.out={out}", "strategies=[dp,ddp]", "bench.telemetry_overhead=true", "bench.repeats=1",
+            "bench.scrape_interval_s=0.05"]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}
     p = subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
