@@ -287,7 +287,9 @@ def describe(job: Job, st: Status) -> list[str]:
     p = job.paths(0)
     if job.run_dir is not None:
         summary = job.run_dir / "summary.json"
-        lines.append(f"  run:      {job.run_dir}" + ("  (summary.json: per-card peaks)" if summary.exists() else ""))
+        note = ("  (summary.json: per-card peaks)" if summary.exists() else
+                "" if job.run_dir.exists() else "  (not created yet)" if not st.final else "  (never created)")
+        lines.append(f"  run:      {job.run_dir}{note}")
     lines.append(f"  log:      {p.stdout}" + (f"  (+ {job.tasks - 1} more task(s) in {job.folder})" if job.tasks > 1
                                               else ""))
     lines.append(f"  errors:   {p.stderr}")

@@ -38,7 +38,7 @@ import submitit
 from submitit.helpers import Checkpointable
 
 from job.config import load, split_args
-from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
+from job.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, PeerUsageError, UsageError
 
 log = logging.getLogger("job")
 # sbatch lines for every job: device order before CUDA starts (docs/design.md: device identity).
@@ -212,7 +212,12 @@ class TrainJob(Checkpointable):
         log.info("submitit %s: run %s (Slurm restarts %s, submitit requeues %d of %d)", env, self.run_id,
                  os.environ.get("SLURM_RESTART_COUNT", "0"), self.requeues, self.max_requeues)
         with _SignalsSeen() as seen:
-            rc = train.run(cfg)
+            try:
+                rc = train.run(cfg)
+            except UsageError as e:  # bad input found in the job (a missing checkpoint...): one line, exit 2
+                if not isinstance(e, PeerUsageError):  # a peer's refusal is printed once, by rank 0
+                    print(f"error: {e}", file=sys.stderr, flush=True)
+                rc = EXIT_USAGE
         if rc == EXIT_INTERRUPTED:
             self._stopped(env, requeue=_usr_sig() in seen.signals | _stop_signals(train))
         if rc != EXIT_OK:

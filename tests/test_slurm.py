@@ -315,6 +315,22 @@ def test_status_of_a_failed_job_shows_its_exit_code_and_reason(cluster, tmp_path
     assert s.returncode == 0 and s.stdout.splitlines()[:2] == [head, reason], s.stdout + s.stderr
 
 
+def test_bad_input_found_in_the_job_is_exit_2_with_its_line(cluster, tmp_path):
+    """A refusal the trainer makes inside the job (here a checkpoint that does not exist) is the contract's exit 2
+    with the trainer's one line, not a traceback and exit 1."""
+    r = submit_cli(cluster, tmp_path, *TINY, "strategy=balanced", "submit.gpus_per_node=1", "submit.cpus_per_task=1",
+                   f"train.resume={tmp_path}/nope.pt", "submit.wait=true")
+    assert r.returncode == 2, r.stdout + r.stderr
+    job_id = job_id_of(r.stdout)
+    err = (tmp_path / "submitit" / job_id / f"{job_id}_0_log.err").read_text()
+    # The refusal is one line; the traceback below it is submitit's record of "trainer exited with code 2".
+    assert f"error: checkpoint {tmp_path}/nope.pt does not exist" in err and "UsageError" not in err, err
+    assert r.stderr.splitlines()[:2] == [f"job {job_id} (slurm): FAILED, exit 2",
+                                        f"  reason:   error: checkpoint {tmp_path}/nope.pt does not exist; give an "
+                                        "existing file or train.resume=auto|never"], r.stderr
+    assert f"  run:      {tmp_path}/runs/slurm-{job_id}  (never created)" in r.stderr
+
+
 def test_status_of_an_unknown_job_is_one_line_exit_2(cluster, tmp_path):
     for ident in ("999999", "slurm-999999", "no-such-run"):
         s = status_cli(cluster, tmp_path, ident)
