@@ -283,7 +283,7 @@ def describe(job: Job, st: Status) -> list[str]:
         head += f", exit {st.exit_code}"
     lines = [head]
     if st.reason:
-        lines.append(f"  {'reason' if st.final else 'why'}:   {st.reason}")
+        lines.append(f"  reason:   {st.reason}")
     p = job.paths(0)
     if job.run_dir is not None:
         summary = job.run_dir / "summary.json"
