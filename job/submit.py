@@ -18,6 +18,8 @@ requeued job keeps its job id, so `train.run_id=slurm-<job id>` is stable and `t
 from the checkpoint. Any other stop (scancel, an admin's `scontrol requeue`: SIGTERM) checkpoints and ends the
 attempt; Slurm decides whether the job runs again. An interrupted attempt leaves no result file, so a waiting
 client never reads it as the job's outcome. docs/slurm.md has the details and the tests.
+
+Following a job and reading its outcome afterwards (`python -m job status`, `submit.wait=true`): job/status.py.
 """
 
 from __future__ import annotations
