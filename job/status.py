@@ -205,6 +205,18 @@ def error_line(job: Job) -> str:
     return best
 
 
+def stopped_step(job: Job) -> int | None:
+    """The step at which the trainer's last attempt stopped after a checkpoint (exit 75), from task 0's log."""
+    try:
+        text = job.paths(0).stderr.read_text(errors="replace")
+    except OSError:
+        return None
+    # Only the last attempt counts: a requeued job logs one start line per attempt.
+    last = text.rsplit("submitit JobEnvironment(", 1)[-1]
+    found = re.findall(r"^stopped at step (\d+); checkpoint written; exit 75$", last, re.M)
+    return int(found[-1]) if found else None
+
+
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in str(text).strip().splitlines() if ln.strip()]
     return lines[-1] if lines else ""
@@ -257,16 +269,30 @@ def status(job: Job) -> Status:
             return Status("UNKNOWN", None, "Slurm's scontrol is not on PATH and no task wrote a result yet",
                           final=False)
         started = any(job.paths(t).stderr.exists() for t in range(job.tasks))
+        stopped = stopped_step(job)
+        if stopped is not None:
+            resume = f"; resume: resubmit with train.run_id={job.run_id}" if job.run_id else ""
+            return Status("ENDED", EXIT_INTERRUPTED, f"stopped at step {stopped} after writing a checkpoint "
+                          f"(cancelled or preempted; the controller no longer knows the job){resume}", final=True)
         reason = error_line(job) or ("the controller no longer knows the job and no task wrote a result: it "
                                      "was cancelled or killed" if started else
                                      "Slurm does not know the job (another cluster? check SLURM_CONF)")
         return Status("ENDED" if started else "UNKNOWN", 1 if started else None, reason, final=started)
 
     if ctl_state in FINAL:  # ended without a result: cancelled, timed out, node failure, killed
+        started = any(job.paths(t).stderr.exists() for t in range(job.tasks))
+        stopped = stopped_step(job)
+        what = {"CANCELLED": "cancelled (scancel or an admin)", "TIMEOUT": "hit its time limit",
+                "NODE_FAIL": "its node failed", "OUT_OF_MEMORY": "killed for host memory (Slurm's limit)"}.get(
+                    ctl_state, f"ended {ctl_state}")
+        if stopped is not None:  # the trainer finished its step and wrote a checkpoint: the contract's 75
+            resume = f"; resume: resubmit with train.run_id={job.run_id}" if job.run_id else ""
+            return Status(ctl_state, EXIT_INTERRUPTED, f"{what}; stopped at step {stopped} after writing a "
+                          f"checkpoint{resume}", restarts, final=True)
+        if not started:
+            return Status(ctl_state, 1, f"{what} before it started", restarts, final=True)
         code = _slurm_exit(ctl)
-        reason = error_line(job) or ctl.get("Reason", "") or "no task wrote a result"
-        if reason == "None":
-            reason = "no task wrote a result"
+        reason = error_line(job) or f"{what}; no task wrote a result"
         return Status(ctl_state, code if code else 1, reason, restarts, final=True)
     # PENDING, RUNNING, COMPLETING, REQUEUED, PREEMPTED (requeued), SUSPENDED...; COMPLETING with results
     # still being written is caught above once every task's pickle is there.

@@ -331,6 +331,28 @@ def test_bad_input_found_in_the_job_is_exit_2_with_its_line(cluster, tmp_path):
     assert f"  run:      {tmp_path}/runs/slurm-{job_id}  (never created)" in r.stderr
 
 
+def test_status_of_pending_and_cancelled_jobs(cluster, tmp_path):
+    """A job waiting for the cards another holds is PENDING with Slurm's reason; `scancel` of the running one
+    makes the trainer checkpoint and exit 75 (CANCELLED, exit 75, how to resume), of the waiting one: cancelled
+    before it started. With no controller to ask, the first still reads as stopped after a checkpoint."""
+    args = [*TINY, "strategy=balanced", "train.steps=100000", "submit.gpus_per_node=2", "submit.cpus_per_task=1"]
+    running, waiting = (job_id_of(submit_cli(cluster, tmp_path, *args).stdout) for _ in range(2))
+    _wait_for_steps(cluster, running, tmp_path / "runs" / f"slurm-{running}", 1)
+    head, reason = status_cli(cluster, tmp_path, waiting).stdout.splitlines()[:2]
+    assert (head, reason) == (f"job {waiting} (slurm): PENDING", "  reason:   Resources"), (head, reason)
+    cluster.run("scancel", running, waiting)
+    cluster.wait(running, DONE)
+    cluster.wait(waiting, DONE)
+    for ident, env, state in ((running, {}, "CANCELLED"), (running, {"SLURM_CONF": "/nonexistent"}, "ENDED")):
+        head, reason = status_cli(cluster, tmp_path, ident, **env).stdout.splitlines()[:2]
+        assert head == f"job {running} (slurm): {state}, exit 75", (head, reason)
+        assert re.fullmatch(rf"  reason:   .*stopped at step \d+ after writing a checkpoint.*; resume: resubmit with "
+                            rf"train.run_id=slurm-{running}", reason), reason
+    head, reason = status_cli(cluster, tmp_path, waiting).stdout.splitlines()[:2]
+    assert (head, reason) == (f"job {waiting} (slurm): CANCELLED, exit 1",
+                              "  reason:   cancelled (scancel or an admin) before it started"), (head, reason)
+
+
 def test_status_of_an_unknown_job_is_one_line_exit_2(cluster, tmp_path):
     for ident in ("999999", "slurm-999999", "no-such-run"):
         s = status_cli(cluster, tmp_path, ident)
