@@ -27,7 +27,7 @@ import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
@@ -66,7 +66,6 @@ class Status:
     reason: str = ""  # one line: why it failed, or why it waits
     restarts: int = 0
     final: bool = False
-    notes: list[str] = field(default_factory=list)
 
 
 # -- finding the job ------------------------------------------------------------------------------
@@ -88,10 +87,10 @@ def _job_folder(template: Path, job_id: str) -> Path:
 def _from_record(folder: Path) -> Job | None:
     try:
         doc = json.loads((folder / RECORD).read_text())
-    except (OSError, ValueError):
+        return Job(str(doc["job_id"]), doc.get("executor", "slurm"), folder, int(doc.get("tasks", 1)),
+                   doc.get("run_id", ""), Path(doc["run_dir"]) if doc.get("run_dir") else None)
+    except (OSError, ValueError, KeyError, TypeError):  # none, or not ours: fall back to submitit's files
         return None
-    return Job(str(doc["job_id"]), doc.get("executor", "slurm"), folder, int(doc.get("tasks", 1)),
-               doc.get("run_id", ""), Path(doc["run_dir"]) if doc.get("run_dir") else None)
 
 
 def locate(ident: str, cfg) -> Job:

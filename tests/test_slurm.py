@@ -333,12 +333,14 @@ def test_bad_input_found_in_the_job_is_exit_2_with_its_line(cluster, tmp_path):
 
 def test_status_of_pending_and_cancelled_jobs(cluster, tmp_path):
     """A job waiting for the cards another holds is PENDING with Slurm's reason; `scancel` of the running one
-    makes the trainer checkpoint and exit 75 (CANCELLED, exit 75, how to resume), of the waiting one: cancelled
-    before it started. With no controller to ask, the first still reads as stopped after a checkpoint."""
+    makes the trainer checkpoint and exit 75 (CANCELLED, exit 75, how to resume), of the waiting one (found by
+    its own train.run_id): cancelled before it started. With no controller to ask, the first still reads as
+    stopped after a checkpoint."""
     args = [*TINY, "strategy=balanced", "train.steps=100000", "submit.gpus_per_node=2", "submit.cpus_per_task=1"]
-    running, waiting = (job_id_of(submit_cli(cluster, tmp_path, *args).stdout) for _ in range(2))
+    running = job_id_of(submit_cli(cluster, tmp_path, *args).stdout)
+    waiting = job_id_of(submit_cli(cluster, tmp_path, *args, "train.run_id=my-run").stdout)
     _wait_for_steps(cluster, running, tmp_path / "runs" / f"slurm-{running}", 1)
-    head, reason = status_cli(cluster, tmp_path, waiting).stdout.splitlines()[:2]
+    head, reason = status_cli(cluster, tmp_path, "my-run").stdout.splitlines()[:2]  # a run id of one's own
     assert (head, reason) == (f"job {waiting} (slurm): PENDING", "  reason:   Resources"), (head, reason)
     cluster.run("scancel", running, waiting)
     cluster.wait(running, DONE)
