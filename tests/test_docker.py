@@ -5,7 +5,9 @@ The real half starts its own Docker engine (Debian's docker.io: `dockerd --bridg
 docker/build-base.sh (no registry is reachable), builds the real Dockerfile through the real
 docker-compose.yml plus docker-compose.ci.yml (host networking, loopback listeners), lets the trainer
 train on CPU, checks through Prometheus's API that its series arrived, evaluates every dashboard query
-against that Prometheus, and stops everything, dockerd included, pass or fail. docs/docker.md.
+against that Prometheus, brings the trainer and exporter up again without a GPU reservation
+(TRAINJOB_DEVICES=cpu, what `make up GPUS=none` does), and stops everything, dockerd included, pass or
+fail. docs/docker.md.
 """
 
 from __future__ import annotations
