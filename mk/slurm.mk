@@ -26,8 +26,8 @@ FOLLOW ?=
 submit: setup ## Submit training via submitit: STRATEGY= GPUS= NODES= PARTITION= TIME=(min) ACCOUNT= QOS= EXECUTOR=auto|slurm|local
 	$(PY) -m job submit $(strip $(SUBMIT_ARGS)) $(ARGS)
 
-status: setup ## A submitted job's state, exit code, logs, per-card table: JOB=<id> or RUN=<run id>; FOLLOW=1 waits, exits with its code
-	@test -n "$(JOB)$(RUN)" || { echo "error: give JOB=<job id> or RUN=<run id> (make submit printed both)" >&2; exit 2; }
+status: setup ## A submitted job's state, exit code, logs, per-card table: JOB=<id> or RUN=<run id>; FOLLOW=1 prints the log until it ends
+	@test -n "$(JOB)$(RUN)" || { echo "error: give JOB=<job id> or RUN=<run id> (make submit printed the job id and the run)" >&2; exit 2; }
 	$(PY) -m job status $(or $(JOB),$(RUN)) $(if $(FOLLOW),--follow) $(ARGS)
 
 slurm-up: ## Start a local Slurm test cluster (SLURM_NODES=1|2, SLURM_GPUS fake GPUs/node) in SLURM_TEST_DIR
