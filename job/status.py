@@ -111,8 +111,9 @@ def locate(ident: str, cfg) -> Job:
                        run_root / f"{executor}-{job_id}")
         ctl = _scontrol(job_id)
         if ctl is not None:
-            raise UsageError(f"Slurm knows job {job_id} ({ctl.get('JobState', '?')}) but its submitit folder {folder} "
-                             f"does not exist; give the folder it was submitted with: submit.folder=...")
+            raise UsageError(f"Slurm knows job {job_id} ({ctl.get('JobState', '?')}, exit {ctl.get('ExitCode', '?')}, "
+                             f"log {ctl.get('StdOut', '?')}) but there is no submitit folder {folder}: submitted with "
+                             f"another submit.folder=... (give it), or not by `python -m job submit` (plain sbatch)")
         raise UsageError(f"no job {job_id}: no submitit folder {folder} and Slurm does not know it; check the id "
                          f"(`make submit` printed it) or give the folder it was submitted with: submit.folder=...")
     # A run id of one's own (train.run_id=...): the records under the submitit folder name it.

@@ -250,6 +250,11 @@ def test_plain_sbatch_script_requeues_itself(cluster, tmp_path):
     assert f"requeueing job {job_id}" in out and "resumed from" in out, out[-3000:]
     assert _metric_steps(run_dir) == list(range(1, 121))
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 120
+    # `status` knows it is not a submitit job and says where Slurm has its log, in one line.
+    st = status_cli(cluster, tmp_path, job_id)
+    assert st.returncode == 2 and st.stderr.count("\n") == 1, st.stderr
+    assert f"Slurm knows job {job_id} (COMPLETED, exit 0:0, log {tmp_path}/{job_id}.out)" in st.stderr, st.stderr
+    assert "(plain sbatch)" in st.stderr
 
 
 def test_a_failing_rank_ends_the_plain_sbatch_job(cluster, tmp_path):
