@@ -14,7 +14,8 @@ Output: one line `job ID (executor): STATE, exit N`, then the reason of a failur
 run directory, the logs and the per-card table are. Exit code: 0 when the command could answer (any job
 state), 2 for an id it cannot find; with `--follow` it prints the task-0 logs as they grow, waits until the
 job ends and exits with the job's exit code (the trainer's: 0 done, 2 bad input, 75 stopped after a
-checkpoint, 1 crashed; a job killed without a result: 1).
+checkpoint, 1 crashed; a job that ended without a result and without a checkpoint: Slurm's exit code, 128 + the
+signal for a kill, or 1).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
          "SPECIAL_EXIT"}
 _RUN_ID = re.compile(r"^(slurm|local)-(\d+)$")
 _TRAINER_CODE = re.compile(r"trainer exited with code (\d+)")
-USAGE = ("usage: python -m job status JOB_ID|RUN_ID [--follow] [submit.folder=...] [train.run_dir=...]  "
+USAGE = ("usage: python -m job status JOB_ID|RUN_ID [--follow] [--config FILE] [submit.folder=...] [train.run_dir=...]  "
          "(make status JOB=ID | RUN=RUN_ID [FOLLOW=1])")
 
 
@@ -405,14 +406,12 @@ def main(argv: list[str]) -> int:
 
     follow_mode = "--follow" in argv
     rest = [a for a in argv if a != "--follow"]
-    idents = [a for a in rest if "=" not in a and not a.startswith("-")]
-    unknown = [a for a in rest if a.startswith("-")]
-    if unknown:
-        raise UsageError(f"unknown option {unknown[0]}; {USAGE}")
-    if len(idents) != 1:
-        raise UsageError(f"give one job id or run id ({len(idents)} given); {USAGE}")
-    overrides = [a for a in rest if "=" in a]
-    cfg = load(overrides)
+    # The id: the one word that is neither an option, nor --config's file, nor a key=value override.
+    at = [i for i, a in enumerate(rest) if "=" not in a and not a.startswith("-") and (i == 0 or rest[i - 1] != "--config")]
+    if len(at) != 1:
+        raise UsageError(f"give one job id or run id ({len(at)} given); {USAGE}")
+    idents = [rest.pop(at[0])]
+    cfg = load(rest)  # --config FILE and overrides, as the job was submitted (submit.folder, train.run_dir)
     job = locate(idents[0], cfg)
     if follow_mode:
         st = follow(job)
