@@ -1,4 +1,4 @@
-"""`python -m job train|bench|export|submit [--config FILE] [key=value ...]`: dispatch only."""
+"""`python -m job train|bench|export|submit|status [--config FILE] [key=value ...]`: dispatch only."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import sys
 
 from job.errors import EXIT_USAGE, PeerUsageError, UsageError
 
-COMMANDS = ("train", "bench", "export", "submit")
-USAGE = "usage: python -m job {train|bench|export|submit} [--config FILE] [key=value ...]  (--help lists keys)"
+COMMANDS = ("train", "bench", "export", "submit", "status")
+USAGE = ("usage: python -m job {train|bench|export|submit} [--config FILE] [key=value ...]  (--help lists keys) | "
+         "python -m job status JOB_ID|RUN_ID [--follow]")
 
 
 def _setup_logging() -> None:
@@ -41,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
             from job.submit import main as submit_main
 
             return submit_main(rest)
+        if command == "status":
+            from job.status import main as status_main
+
+            return status_main(rest)
         from job import config
 
         if "-h" in rest or "--help" in rest:

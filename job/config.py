@@ -206,7 +206,7 @@ class SubmitCfg:
     folder: str = "runs/submitit/%j"
     """Where submitit writes the job pickles, sbatch script and logs (%j is the job id)."""
     wait: bool = False
-    """Follow the job's log and exit with its result (0 done, 75 stopped, 1 failed)."""
+    """Follow the job's log and exit with its exit code (0 done, 2 bad input, 75 stopped, 1 failed; job.status)."""
     dry_run: bool = False
     """Print the sbatch script (and Slurm's --test-only verdict when Slurm is here); submit nothing."""
 

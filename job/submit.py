@@ -18,6 +18,8 @@ requeued job keeps its job id, so `train.run_id=slurm-<job id>` is stable and `t
 from the checkpoint. Any other stop (scancel, an admin's `scontrol requeue`: SIGTERM) checkpoints and ends the
 attempt; Slurm decides whether the job runs again. An interrupted attempt leaves no result file, so a waiting
 client never reads it as the job's outcome. docs/slurm.md has the details and the tests.
+
+Following a job and reading its outcome afterwards (`python -m job status`, `submit.wait=true`): job/status.py.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import submitit
 from submitit.helpers import Checkpointable
 
 from job.config import load, split_args
-from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
+from job.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, PeerUsageError, UsageError
 
 log = logging.getLogger("job")
 # sbatch lines for every job: device order before CUDA starts (docs/design.md: device identity).
@@ -46,8 +48,6 @@ SETUP = ["export CUDA_DEVICE_ORDER=PCI_BUS_ID"]
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]*$")
 # After a stop without SIGUSR2: how long to wait for the SIGUSR2 that submitit's preemption sends after SIGTERM.
 USR2_GRACE_S = 3.0
-_DONE_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
-                "BOOT_FAIL", "DEADLINE"}
 
 
 @dataclass(frozen=True)
@@ -214,7 +214,12 @@ class TrainJob(Checkpointable):
         log.info("submitit %s: run %s (Slurm restarts %s, submitit requeues %d of %d)", env, self.run_id,
                  os.environ.get("SLURM_RESTART_COUNT", "0"), self.requeues, self.max_requeues)
         with _SignalsSeen() as seen:
-            rc = train.run(cfg)
+            try:
+                rc = train.run(cfg)
+            except UsageError as e:  # bad input found in the job (a missing checkpoint...): one line, exit 2
+                if not isinstance(e, PeerUsageError):  # a peer's refusal is printed once, by rank 0
+                    print(f"error: {e}", file=sys.stderr, flush=True)
+                rc = EXIT_USAGE
         if rc == EXIT_INTERRUPTED:
             self._stopped(env, requeue=_usr_sig() in seen.signals | _stop_signals(train))
         if rc != EXIT_OK:
@@ -369,75 +374,34 @@ def main(argv: list[str]) -> int:
         raise UsageError(f"submission failed: {_first_line(e)}") from None
     run_id = cfg.train.run_id or f"{p.executor}-{job.job_id}"
     run_dir = Path(cfg.train.run_dir).expanduser().absolute() / run_id
+    from job import status
+
+    status.write_record(job, executor=p.executor, tasks=p.nodes * p.tasks_per_node, run_id=run_id, run_dir=run_dir)
     print(f"submitted {p.executor} job {job.job_id}: {cfg.strategy.name}/{cfg.workload.name}, "
           f"{p.nodes} node(s) x {p.tasks_per_node} task(s), {cfg.submit.gpus_per_node} GPU(s)/node")
     print(f"  run:    {run_dir}")
     print(f"  log:    {job.paths.stdout}")
     print(f"  errors: {job.paths.stderr}")
-    print(f"  follow: tail -F {shlex.quote(str(job.paths.stderr))}")
+    follow_cmd = status.follow_command(job.job_id, p.folder)
+    print(f"  follow: {follow_cmd}    (state and exit code only: without --follow)")
     if p.executor == "slurm":
-        print(f"  state:  squeue -j {job.job_id}    cancel: scancel {job.job_id}")
+        print(f"  cancel: scancel {job.job_id}")
     if not cfg.submit.wait:
         return EXIT_OK
-    return follow(job, p.executor)
+    return follow(status.locate(str(job.job_id), cfg))
 
 
-def follow(job, executor: str, *, poll_s: float = 2.0, out=sys.stdout) -> int:
-    """Print rank 0's log as it grows until the job ends; 0 done, 1 failed or ended without a result."""
-    offsets = {job.paths.stderr: 0, job.paths.stdout: 0}
-    gone_since = None
-    while True:
-        _print_new(offsets, out)
-        if _finished(job, executor):
-            break
-        if executor == "slurm":
-            state = slurm_state(job.job_id)
-            if state in _DONE_STATES or state == "":
-                # Ended without a result file (cancelled, killed): give the file system a moment.
-                gone_since = gone_since or time.monotonic()
-                if time.monotonic() - gone_since > 10:
-                    break
-            else:
-                gone_since = None
-        time.sleep(poll_s)
-    _print_new(offsets, out)
-    try:
-        results = job.results()
-    except Exception as e:  # the job's exception, or no result at all (cancelled, killed)
-        state = slurm_state(job.job_id) if executor == "slurm" else ""
-        print(f"job {job.job_id} ended{' ' + state if state else ''} without a result: {_first_line(e)}; "
-              f"logs: {job.paths.stderr}", file=sys.stderr)
-        return 1
-    print(f"job {job.job_id} finished: exit 0 (run {results[0]['run_dir']})", file=out)
-    return EXIT_OK
+def follow(job, *, out=sys.stdout) -> int:
+    """Print rank 0's log as it grows until the job ends; its exit code (0 done, 2, 75, 1: job.status)."""
+    from job import status
 
-
-def _finished(job, executor: str) -> bool:
-    """Every task wrote its result file (Slurm: without asking sacct, which needs slurmdbd)."""
-    if executor != "slurm":
-        return job.done()
-    return all(job.task(t).paths.result_pickle.exists() for t in range(job.num_tasks))
-
-
-def slurm_state(job_id: str) -> str:
-    """squeue's state for a job (works without slurmdbd while the controller remembers the job)."""
-    r = subprocess.run(["squeue", "-h", "-j", str(job_id), "-t", "all", "-o", "%T"],
-                       capture_output=True, text=True, timeout=60)
-    return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else ""
-
-
-def _print_new(offsets: dict, out) -> None:
-    for path, pos in offsets.items():
-        try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                f.seek(pos)
-                chunk = f.read()
-                offsets[path] = f.tell()
-        except FileNotFoundError:
-            continue
-        if chunk:
-            out.write(chunk)
-            out.flush()
+    st = status.follow(job, out=out)
+    if st.exit_code == EXIT_OK:
+        print(f"job {job.job_id} finished: exit 0 (run {job.run_dir})", file=out)
+        return EXIT_OK
+    for line in status.describe(job, st):
+        print(line, file=sys.stderr)
+    return st.exit_code if st.exit_code is not None else 1
 
 
 def _first_line(e: BaseException) -> str:

@@ -3,7 +3,9 @@ IMAGE ?= trainjob:latest
 BASE_IMAGE ?=
 PIP_NO_INDEX ?=
 TRAINJOB_HOST ?= $(shell hostname)
-# Compose v2 (`docker compose`) where installed, else Debian's docker-compose 1.29.
+SERVICES ?=
+# Compose v2 (`docker compose`) where installed, else Debian's docker-compose 1.29 (>= 1.27: `extends` with
+# a file, docker/compose-devices.yml; GPUS=none -> TRAINJOB_DEVICES=cpu: no GPU reservation).
 COMPOSE = $(shell docker compose version >/dev/null 2>&1 && echo "docker compose" || echo docker-compose)
 
 .PHONY: image image-wheels image-lock images-verify image-standin up down docker-test
@@ -24,9 +26,10 @@ images-verify: ## Compare every pinned digest (Dockerfile, compose) with its reg
 image-standin: setup ## Build CI's stand-in base and prometheus images from this machine's package sources
 	VENV=$(VENV) docker/build-base.sh
 
-up: ## docker compose up: trainer, exporter, Prometheus, Grafana (needs GRAFANA_ADMIN_PASSWORD_FILE; STRATEGY, GPUS)
+up: ## docker compose up: trainer, exporter, Prometheus, Grafana (needs GRAFANA_ADMIN_PASSWORD_FILE; STRATEGY, GPUS=all|0,1|none: CPU, SERVICES=)
 	TRAINJOB_IMAGE=$(IMAGE) TRAINJOB_HOST=$(TRAINJOB_HOST) $(if $(STRATEGY),STRATEGY=$(STRATEGY)) \
-	  $(COMPOSE) up -d --build
+	  $(if $(filter none,$(GPUS)),TRAINJOB_DEVICES=cpu) $(COMPOSE) up -d --build $(SERVICES) \
+	  $(if $(filter none,$(GPUS)),,|| { rc=$$?; echo "hint: an engine without the NVIDIA runtime says 'could not select device driver nvidia': make up GPUS=none runs the stack on the CPU" >&2; exit $$rc; })
 	@echo "Grafana: http://$${BIND_ADDR:-127.0.0.1}:$${GRAFANA_PORT:-3000} (anonymous read-only; admin: the password in GRAFANA_ADMIN_PASSWORD_FILE)"
 
 down: ## docker compose down (keeps the runs, Prometheus and Grafana volumes; ARGS=-v deletes them)

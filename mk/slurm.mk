@@ -17,10 +17,18 @@ SUBMIT_ARGS = $(if $(STRATEGY),strategy=$(STRATEGY)) \
   $(if $(ACCOUNT),submit.account=$(ACCOUNT)) $(if $(QOS),submit.qos=$(QOS)) \
   $(if $(EXECUTOR),submit.executor=$(EXECUTOR))
 
-.PHONY: submit slurm-up slurm-down
+JOB ?=
+RUN ?=
+FOLLOW ?=
+
+.PHONY: submit status slurm-up slurm-down
 
 submit: setup ## Submit training via submitit: STRATEGY= GPUS= NODES= PARTITION= TIME=(min) ACCOUNT= QOS= EXECUTOR=auto|slurm|local
 	$(PY) -m job submit $(strip $(SUBMIT_ARGS)) $(ARGS)
+
+status: setup ## A submitted job's state, exit code, logs, per-card table: JOB=<id> or RUN=<run id>; FOLLOW=1 prints the log until it ends
+	@test -n "$(JOB)$(RUN)" || { echo "error: give JOB=<job id> or RUN=<run id> (make submit printed the job id and the run)" >&2; exit 2; }
+	$(PY) -m job status $(or $(JOB),$(RUN)) $(if $(FOLLOW),--follow) $(ARGS)
 
 slurm-up: ## Start a local Slurm test cluster (SLURM_NODES=1|2, SLURM_GPUS fake GPUs/node) in SLURM_TEST_DIR
 	NODES=$(SLURM_NODES) GPUS=$(SLURM_GPUS) bash slurm/cluster.sh up $(SLURM_TEST_DIR)

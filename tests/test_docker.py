@@ -5,7 +5,9 @@ The real half starts its own Docker engine (Debian's docker.io: `dockerd --bridg
 docker/build-base.sh (no registry is reachable), builds the real Dockerfile through the real
 docker-compose.yml plus docker-compose.ci.yml (host networking, loopback listeners), lets the trainer
 train on CPU, checks through Prometheus's API that its series arrived, evaluates every dashboard query
-against that Prometheus, and stops everything, dockerd included, pass or fail. docs/docker.md.
+against that Prometheus, brings the trainer and exporter up again without a GPU reservation
+(TRAINJOB_DEVICES=cpu, what `make up GPUS=none` does), and stops everything, dockerd included, pass or
+fail. docs/docker.md.
 """
 
 from __future__ import annotations
@@ -133,6 +135,29 @@ def test_base_compose_wires_gpus_strategy_volumes_and_rules():
         local_targets = yaml.safe_load((ROOT / "monitoring" / "prometheus" / "targets" / f).read_text())
         assert [t.split(":")[1] for t in compose_targets[0]["targets"]] == \
                [t.split(":")[1] for t in local_targets[0]["targets"]], f
+
+
+def test_cpu_devices_drop_only_the_gpu_reservation():
+    """TRAINJOB_DEVICES=cpu (what `make up GPUS=none` sets): the trainer and the exporter ask the engine for no
+    device (an engine without the NVIDIA runtime refuses a reservation: "could not select device driver
+    nvidia") and keep the cards out; nothing else of the stack changes."""
+    rc, gpu_text = render({"GPUS": "0,1"}, "-f", "docker-compose.yml")
+    rc2, cpu_text = render({"GPUS": "0,1", "TRAINJOB_DEVICES": "cpu"}, "-f", "docker-compose.yml")
+    assert rc == 0 and rc2 == 0, gpu_text + cpu_text
+    gpu, cpu = yaml.safe_load(gpu_text)["services"], yaml.safe_load(cpu_text)["services"]
+    for name in ("trainer", "exporter"):
+        assert gpu[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"] == ["0,1"], name
+        assert "deploy" not in cpu[name] and cpu[name]["environment"].pop("NVIDIA_VISIBLE_DEVICES") == "void", name
+        del gpu[name]["deploy"]
+    assert cpu == gpu
+    rc, text = render({"TRAINJOB_DEVICES": "tpu"}, "-f", "docker-compose.yml")
+    assert rc != 0 and "tpu" in text, text
+    make = shutil.which("make")
+    if make:
+        dry = {g: subprocess.run([make, "-n", "up", *([f"GPUS={g}"] if g else [])], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=60).stdout for g in ("", "none", "0,1")}
+        assert "TRAINJOB_DEVICES=cpu" in dry["none"] and "could not select device driver" not in dry["none"], dry
+        assert all("TRAINJOB_DEVICES" not in dry[g] and "make up GPUS=none" in dry[g] for g in ("", "0,1")), dry
 
 
 def test_ci_override_only_switches_to_host_network_on_loopback():
@@ -614,3 +639,31 @@ def test_stopping_the_trainer_checkpoints_and_exits_75(stack):
     ls = stack.engine.run("run", "--rm", "--network", "none", "-v", f"{stack.project}_runs:/workspace/runs",
                           "--entrypoint", "ls", stack.image, "runs/ci/checkpoints")
     assert re.search(r"step_\d{8}\.pt", ls.stdout), ls.stdout
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+@pytest.mark.timeout(STACK_TIMEOUT)
+def test_cpu_stack_without_a_gpu_reservation_fills_prometheus(stack):
+    """`make up GPUS=none` on a laptop: the same stack with TRAINJOB_DEVICES=cpu. Its trainer and exporter are
+    created without any device request (the engine's nvidia driver is never asked), train and export on the
+    CPU, and Prometheus gets the trainer's series and the throughput the dashboards show."""
+    import dataclasses
+
+    cpu = dataclasses.replace(stack, env={**stack.env, "TRAINJOB_DEVICES": "cpu", "RUN_ID": "cpu"})
+    cpu.compose("up", "-d", "--no-build", "trainer", "exporter", timeout=300)
+    asked = [json.loads(line)["id"] for line in stack.engine.hook_log.read_text().splitlines()]
+    for service in ("trainer", "exporter"):
+        name = stack.container(service)
+        info = json.loads(stack.engine.run("inspect", name).stdout)[0]
+        assert not info["HostConfig"].get("DeviceRequests"), (service, info["HostConfig"].get("DeviceRequests"))
+        assert "NVIDIA_VISIBLE_DEVICES=void" in info["Config"]["Env"], service
+        assert info["Id"] not in asked, f"{service}: the nvidia driver was asked for a device"
+    samples = stack.wait_for('trainjob_samples_total{job="trainjob", run="cpu"}')
+    assert float(samples[0]["value"][1]) > 0
+    (info,) = stack.wait_for('trainjob_info{run="cpu"}')
+    assert info["metric"]["host"] == NODE, info
+    for expr in ('trainjob_step_seconds_count{run="cpu"}', 'trainjob_loss{run="cpu"}',
+                 'up{job="trainjob-exporter"} == 1', 'trainjob_nvml_up{job="trainjob-exporter"} == 0'):
+        stack.wait_for(expr)
+    stack.wait_for('run:trainjob_samples:rate1m{run="cpu"}', timeout=150)  # the Throughput panel

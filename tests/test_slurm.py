@@ -50,6 +50,12 @@ def submit_cli(cluster, tmp_path, *args: str, timeout: float = 300) -> subproces
     )
 
 
+def status_cli(cluster, tmp_path, *args: str, timeout: float = 240, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(job_cmd("status", *args, f"submit.folder={tmp_path}/submitit/%j",
+                                  f"train.run_dir={tmp_path}/runs"),
+                          capture_output=True, text=True, cwd=ROOT, env={**cluster.env, **env}, timeout=timeout)
+
+
 def job_id_of(stdout: str) -> str:
     first = stdout.splitlines()[0]
     assert first.startswith("submitted slurm job "), stdout
@@ -111,6 +117,16 @@ def test_tiny_job_completes_and_reports(cluster, tmp_path):
                       "requeues": 0, "cuda_visible_devices": "0"}
     assert "step 20/20" in (tmp_path / "submitit" / job_id / f"{job_id}_0_log.err").read_text()
     assert cluster.wait(job_id, DONE, timeout=60) == "COMPLETED"
+    # Following it later: the command `submit` printed, by job id or run id, and once the controller has
+    # forgotten the job (here: no controller answers; `squeue -j` then shows an empty table), from its files.
+    follow = re.search(r"^  follow: (.*) -m job status (\d+) --follow submit\.folder=(\S+)", r.stdout, re.M)
+    assert follow and follow.group(2) == job_id and follow.group(3) == f"{tmp_path}/submitit/%j", r.stdout
+    for ident, env in ((job_id, {}), (f"slurm-{job_id}", {"SLURM_CONF": str(tmp_path / "no-such-slurm.conf")})):
+        s = status_cli(cluster, tmp_path, ident, **env)
+        assert s.returncode == 0 and s.stdout.startswith(f"job {job_id} (slurm): COMPLETED, exit 0\n"), s.stdout + s.stderr
+        assert f"  run:      {run_dir}  (summary.json" in s.stdout
+        assert f"  log:      {tmp_path}/submitit/{job_id}/{job_id}_0_log.out" in s.stdout
+        assert "  per-card table: " in s.stdout and "    throughput:" in s.stdout, s.stdout
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +216,8 @@ def test_preempted_and_requeued_job_ends_with_the_same_weights(cluster, tmp_path
     assert "JobState=COMPLETED" in show and "Restarts=2" in show, show + log.read_text()[-3000:]
     results = job.results()
     assert [x["exit_code"] for x in results] == [0, 0] and results[0]["requeues"] == 1, results
+    st = status_cli(cluster, tmp_path, job_id)
+    assert st.stdout.startswith(f"job {job_id} (slurm): COMPLETED (requeued 2x), exit 0\n"), st.stdout + st.stderr
     text = log.read_text() + log.with_suffix(".out").read_text()  # trainer: .err; submitit's logger: .out
     resumed = [int(m) for m in re.findall(r"^resumed from \S+ at step (\d+)", text, re.M)]
     assert len(resumed) == 2 and 0 < resumed[0] < resumed[1] < 160, text[-3000:]
@@ -232,6 +250,11 @@ def test_plain_sbatch_script_requeues_itself(cluster, tmp_path):
     assert f"requeueing job {job_id}" in out and "resumed from" in out, out[-3000:]
     assert _metric_steps(run_dir) == list(range(1, 121))
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 120
+    # `status` knows it is not a submitit job and says where Slurm has its log, in one line.
+    st = status_cli(cluster, tmp_path, job_id)
+    assert st.returncode == 2 and st.stderr.count("\n") == 1, st.stderr
+    assert f"Slurm knows job {job_id} (COMPLETED, exit 0:0, log {tmp_path}/{job_id}.out)" in st.stderr, st.stderr
+    assert "(plain sbatch)" in st.stderr
 
 
 def test_a_failing_rank_ends_the_plain_sbatch_job(cluster, tmp_path):
@@ -271,5 +294,75 @@ def test_max_requeues_bounds_the_requeues(cluster, tmp_path):
     with pytest.raises(submitit.core.utils.FailedJobError,
                        match="Job not requeued because: (timed-out too many times|checkpoint function returned None)"):
         job.result()
+    st = status_cli(cluster, tmp_path, job_id)  # the contract's 75: stopped after a checkpoint, not requeued
+    head, reason = st.stdout.splitlines()[:2]
+    assert re.fullmatch(rf"job {job_id} \(slurm\): \w+, exit 75", head), st.stdout + st.stderr
+    assert "Job not requeued because" in reason and f"resubmit with train.run_id=slurm-{job_id}" in reason, reason
     stopped = final_weights(run_dir)
     assert 5 <= stopped["step"] < 160 and stopped["step"] == _metric_steps(run_dir)[-1]
+
+
+def test_status_of_a_failed_job_shows_its_exit_code_and_reason(cluster, tmp_path):
+    """The trainer fails at step 2 (the JOB_FAULT test hook): the exit code is the trainer's, the reason its
+    one error line; --follow exits with that code."""
+    r = subprocess.run(
+        job_cmd("submit", f"submit.folder={tmp_path}/submitit/%j", f"train.run_dir={tmp_path}/runs", *TINY,
+                "strategy=balanced", "train.steps=50", "submit.gpus_per_node=1", "submit.cpus_per_task=1"),
+        capture_output=True, text=True, cwd=ROOT, env={**cluster.env, "JOB_FAULT": "0:2:raise"}, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = job_id_of(r.stdout)
+    f = status_cli(cluster, tmp_path, job_id, "--follow")
+    assert f.returncode == 1, f.stdout + f.stderr
+    head, reason = f.stdout.splitlines()[-5:-3]
+    assert head == f"job {job_id} (slurm): FAILED, exit 1", f.stdout
+    assert reason == "  reason:   RuntimeError: injected fault (JOB_FAULT) on rank 0 at step 2", f.stdout
+    s = status_cli(cluster, tmp_path, job_id, SLURM_CONF=str(tmp_path / "no-such-slurm.conf"))
+    assert s.returncode == 0 and s.stdout.splitlines()[:2] == [head, reason], s.stdout + s.stderr
+
+
+def test_bad_input_found_in_the_job_is_exit_2_with_its_line(cluster, tmp_path):
+    """A refusal the trainer makes inside the job (here a checkpoint that does not exist) is the contract's exit 2
+    with the trainer's one line, not a traceback and exit 1."""
+    r = submit_cli(cluster, tmp_path, *TINY, "strategy=balanced", "submit.gpus_per_node=1", "submit.cpus_per_task=1",
+                   f"train.resume={tmp_path}/nope.pt", "submit.wait=true")
+    assert r.returncode == 2, r.stdout + r.stderr
+    job_id = job_id_of(r.stdout)
+    err = (tmp_path / "submitit" / job_id / f"{job_id}_0_log.err").read_text()
+    # The refusal is one line; the traceback below it is submitit's record of "trainer exited with code 2".
+    assert f"error: checkpoint {tmp_path}/nope.pt does not exist" in err and "UsageError" not in err, err
+    assert r.stderr.splitlines()[:2] == [f"job {job_id} (slurm): FAILED, exit 2",
+                                        f"  reason:   error: checkpoint {tmp_path}/nope.pt does not exist; give an "
+                                        "existing file or train.resume=auto|never"], r.stderr
+    assert f"  run:      {tmp_path}/runs/slurm-{job_id}  (never created)" in r.stderr
+
+
+def test_status_of_pending_and_cancelled_jobs(cluster, tmp_path):
+    """A job waiting for the cards another holds is PENDING with Slurm's reason; `scancel` of the running one
+    makes the trainer checkpoint and exit 75 (CANCELLED, exit 75, how to resume), of the waiting one (found by
+    its own train.run_id): cancelled before it started. With no controller to ask, the first still reads as
+    stopped after a checkpoint."""
+    args = [*TINY, "strategy=balanced", "train.steps=100000", "submit.gpus_per_node=2", "submit.cpus_per_task=1"]
+    running = job_id_of(submit_cli(cluster, tmp_path, *args).stdout)
+    waiting = job_id_of(submit_cli(cluster, tmp_path, *args, "train.run_id=my-run").stdout)
+    _wait_for_steps(cluster, running, tmp_path / "runs" / f"slurm-{running}", 1)
+    head, reason = status_cli(cluster, tmp_path, "my-run").stdout.splitlines()[:2]  # a run id of one's own
+    assert (head, reason) == (f"job {waiting} (slurm): PENDING", "  reason:   Resources"), (head, reason)
+    cluster.run("scancel", running, waiting)
+    cluster.wait(running, DONE)
+    cluster.wait(waiting, DONE)
+    for ident, env, state in ((running, {}, "CANCELLED"), (running, {"SLURM_CONF": "/nonexistent"}, "ENDED")):
+        head, reason = status_cli(cluster, tmp_path, ident, **env).stdout.splitlines()[:2]
+        assert head == f"job {running} (slurm): {state}, exit 75", (head, reason)
+        assert re.fullmatch(rf"  reason:   .*stopped at step \d+ after writing a checkpoint.*; resume: resubmit with "
+                            rf"train.run_id=slurm-{running}", reason), reason
+    head, reason = status_cli(cluster, tmp_path, waiting).stdout.splitlines()[:2]
+    assert (head, reason) == (f"job {waiting} (slurm): CANCELLED, exit 1",
+                              "  reason:   cancelled (scancel or an admin) before it started"), (head, reason)
+
+
+def test_status_of_an_unknown_job_is_one_line_exit_2(cluster, tmp_path):
+    for ident in ("999999", "slurm-999999", "no-such-run"):
+        s = status_cli(cluster, tmp_path, ident)
+        assert s.returncode == 2, s.stdout + s.stderr
+        assert s.stderr.startswith("error: ") and s.stderr.strip().count("\n") == 0 and not s.stdout, s.stderr
+        assert ("no job 999999: " if ident[-1].isdigit() else "`no-such-run` is neither a job id") in s.stderr

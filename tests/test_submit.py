@@ -225,3 +225,15 @@ def test_late_sigusr2_after_a_sigterm_stop_still_reaches_submitits_handler(monke
         assert calls == [signal.SIGUSR2]
     finally:
         signal.signal(signal.SIGUSR2, old)
+
+
+def test_status_refuses_bad_arguments_in_one_line(tmp_path):
+    """`python -m job status` without a cluster: no id, two ids, an unknown option, an id with no folder."""
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    for args, message in ((["1", "2"], "error: give one job id or run id (2 given); usage: python -m job status"),
+                          (["1", "--x"], "error: unexpected argument `--x`"),
+                          (["4242", f"submit.folder={tmp_path}/%j"],
+                           f"error: no job 4242: no submitit folder {tmp_path}/4242 and Slurm does not know it")):
+        r = subprocess.run(job_cmd("status", *args), capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+        assert r.returncode == 2 and r.stderr.startswith(message), (args, r.stderr)
+        assert r.stderr.strip().count("\n") == 0 and not r.stdout, r.stderr

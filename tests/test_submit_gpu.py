@@ -39,6 +39,15 @@ def test_ddp_runs_one_task_per_gpu(tmp_path):
 
 def test_single_process_strategy_drives_both_gpus(tmp_path):
     """dp: one task that sees (and uses) both cards."""
-    _, summary = submit_local(tmp_path, "strategy=dp", "submit.gpus_per_node=2")
+    r, summary = submit_local(tmp_path, "strategy=dp", "submit.gpus_per_node=2")
     cards = summary["cards"]
     assert {c["rank"] for c in cards} == {0} and len({c["uuid"] for c in cards}) == 2, cards
+    # `python -m job status` finds the finished job and shows the per-card table the trainer printed.
+    job_id = re.search(r"^submitted local job (\d+):", r.stdout, re.M).group(1)
+    st = subprocess.run(job_cmd("status", f"local-{job_id}", f"train.run_dir={tmp_path}/runs",
+                                f"submit.folder={tmp_path}/submitit/%j"), cwd=ROOT, capture_output=True, text=True,
+                        timeout=120)
+    assert st.returncode == 0 and st.stdout.startswith(f"job {job_id} (local): COMPLETED, exit 0\n"), st.stdout
+    table = st.stdout.split("  per-card table: ", 1)[1]
+    for c in cards:
+        assert c["uuid"][:13] in table, (c["uuid"], table)

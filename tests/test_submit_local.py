@@ -47,3 +47,20 @@ def test_make_submit_local_without_slurm(tmp_path):
     assert f"finished: exit 0 (run {run_dir})" in r.stdout
     assert "step 10/10" in r.stdout, "submit.wait follows the job's log"
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 10
+    # `make status RUN=local-<pid>`: the local job's outcome from its folder, without Slurm.
+    st = subprocess.run([make, "-s", "-o", ".venv/.stamp-setup", "status", f"RUN=local-{m.group(1)}",
+                         f"ARGS=submit.folder={tmp_path}/submitit/%j train.run_dir={tmp_path}/runs"],
+                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert st.returncode == 0 and st.stdout.startswith(f"job {m.group(1)} (local): COMPLETED, exit 0\n"), \
+        st.stdout + st.stderr
+    assert f"  run:      {run_dir}  (summary.json" in st.stdout
+
+
+def test_make_status_needs_a_job_or_run():
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make not installed")
+    r = subprocess.run([make, "-s", "-o", ".venv/.stamp-setup", "status"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=60)
+    # One line of ours (make adds its own `make: *** ... Error 2`).
+    assert r.returncode == 2 and r.stderr.startswith("error: give JOB=<job id> or RUN=<run id>"), r.stderr
