@@ -40,10 +40,11 @@ class StrategyCfg:
     check_replicas_every: int = 0
     """balanced: every N steps, check that the replicas' weights are still identical (fails loudly if not;
     0: never)."""
-    replica_threads: bool = False
-    """balanced: run each extra card's forward in a persistent thread of its own (true), or launch every
-    card's forward from the main thread in turn (false: no hand-offs of Python's GIL between threads
-    at every operation; faster on the models measured, docs/strategies.md)."""
+    replica_threads: bool = True
+    """balanced: run each extra card's forward in a persistent thread of its own (true: the cards start
+    together; best when the GPUs, not Python, are the limit), or launch every card's forward from the main
+    thread in turn (false: no hand-offs of Python's GIL between threads at every operation; faster when
+    the step is short and Python-bound, e.g. deep, narrow LMs: docs/strategies.md)."""
     bucket_mb: float = 25.0
     """balanced/ddp: size of the gradient buckets in MiB; each bucket is summed across the cards as soon as
     the backward has produced it, overlapping the rest of the backward."""

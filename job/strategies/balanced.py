@@ -4,10 +4,10 @@ What DataParallel does every step, and what this does instead:
 - replicate the model from GPU 0 (Python-heavy, every step)   -> replicas built once; they stay equal
   because every card applies the same all-reduced gradient with its own optimizer state (as DDP does);
 - run replicas in fresh threads (cuDNN's per-thread autotune cache is lost each step: 18x slower)
-                                                                -> every card's forward launched from the
-  main thread in turn (kernels run asynchronously, and one thread does not hand Python's GIL back and
-  forth at every operation), or with strategy.replica_threads=true one persistent thread per card;
-  either way cudnn.benchmark stays on and tunes once;
+                                                                -> one persistent thread per card, or with
+  strategy.replica_threads=false every card's forward launched from the main thread in turn (kernels run
+  asynchronously, and one thread does not hand Python's GIL back and forth at every operation: faster
+  when Python, not the GPUs, is the limit); either way cudnn.benchmark stays on and tunes once;
 - gather every output onto GPU 0 and compute the loss there (the GPU-0 pile-up)
                                                                 -> each replica computes the *sum* of its
   samples' losses; only those scalars cross to GPU 0, divided by the global sample count, so the loss is
