@@ -6,10 +6,12 @@ call, as DataParallel's own collectives do), falling back to reduce-add + broadc
 take the tensors, and to plain sums on a CPU.
 
 Summing many small tensors costs one launch each; so the tensors that are summed every step live as
-views of a few flat tensors (`FlatViews`): the BatchNorm statistics of a replica in one flat tensor per
-dtype, its gradients in buckets. `GradReducer` sums each bucket as soon as every card's backward has
-produced it, on a side stream, while the backward goes on with earlier layers (what DDP does across
-processes); only the last bucket's sum is left when the backward ends.
+views of a few flat tensors (`FlatViews`): a replica's normalisation statistics in one flat tensor per
+dtype, its gradients in buckets. Nothing is flattened (copied) per step, which is why torch's private
+`_flatten_dense_tensors` is not used: the tensors already live in the flat buffers, as in DDP's reducer
+with gradient_as_bucket_view. `GradReducer` sums each bucket as soon as every card's backward has produced
+it, on a side stream, while the backward goes on with earlier layers (what DDP does across processes);
+only the last bucket's sum is left when the backward ends.
 """
 
 from __future__ import annotations
@@ -39,16 +41,6 @@ def _dense(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
-
-
-def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One contiguous copy of same-dtype tensors (one sum instead of one per tensor)."""
-    return torch.cat([t.reshape(-1) for t in tensors])
-
-
-def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Views of `flat` shaped like `like` (the inverse of flatten)."""
-    return [chunk.view_as(t) for chunk, t in zip(flat.split([t.numel() for t in like]), like)]
 
 
 def nccl_ok(tensors: list[torch.Tensor]) -> bool:
