@@ -517,7 +517,7 @@ def validate(cfg) -> None:
     if any(not (0 < c < 1e4) for c in m.cap_gb):
         raise UsageError(f"`memory.cap_gb={list(m.cap_gb)}` must hold GB per card, each above 0; [] for no cap")
     if not 0 < cfg.strategy.bucket_mb <= 65536:  # also refuses nan
-        raise UsageError(f"`strategy.bucket_mb={cfg.strategy.bucket_mb}` must be a size in MiB above 0 and at most "
+        raise UsageError(f"`strategy.bucket_mb={cfg.strategy.bucket_mb:g}` must be a size in MiB above 0 and at most "
                          "65536 (25 is DDP's default)")
     if not 0 < cfg.strategy.timeout_s < 1e6:  # also refuses nan
         raise UsageError(f"`strategy.timeout_s={cfg.strategy.timeout_s}` must be a number of seconds above 0")
