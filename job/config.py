@@ -252,8 +252,12 @@ class BenchCfg:
     """imagefolder: JPEG files to generate (about 400-500 px a side, 10 classes)."""
     imagefolder_dir: str = ""
     """imagefolder: where the files are generated and reused (empty: <train.run_dir>/bench-images)."""
+    maxbatch_key: str = "train.batch_size"
+    """maxbatch: what is searched: train.batch_size (the largest global batch) or workload.layers (the
+    deepest lm that trains at the configured width and batch: the largest model)."""
     maxbatch_start: int = 0
-    """maxbatch: first global batch tried (0: train.batch_size); doubled until a trial does not fit."""
+    """maxbatch: first value tried (0: the config's train.batch_size or workload.layers); doubled until a
+    trial does not fit."""
     maxbatch_steps: int = 3
     """maxbatch: optimizer steps per trial (the first is warm-up; peaks are taken over the others)."""
     maxbatch_trials: int = 12

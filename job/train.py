@@ -591,6 +591,7 @@ class Trainer:
             "run_id": self.run_id, "steps": self.step, "strategy": self.cfg.strategy.name,
             "workload": self.cfg.workload.name, "world_size": self.env.world_size,
             "samples_per_s": throughput, f"{unit}_per_s": throughput * k, "imbalance": report.imbalance(rows),
+            "params": param_count(self.model),
             "peak_window": [self.clock.start_step, self.step],  # peaks: steps after start_step up to here
             "cards": rows,
         }

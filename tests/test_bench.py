@@ -209,6 +209,10 @@ def test_sigterm_stops_the_current_run_and_writes_what_was_measured(tmp_path):
     (["bench.maxbatch_precision=1.5"], "bench.maxbatch_precision=1.5 must be in [0, 1)"),
     (["train.device=cpu", "bench.tenant_gb=2"], "bench.tenant_gb=2 holds memory on a CUDA card, and none is visible"),
     (["workload=lm", "bench.imagefolder=true"], "bench.imagefolder=true needs an image workload"),
+    (["bench.mode=maxbatch", "bench.maxbatch_key=train.lr"],
+     "bench.maxbatch_key=train.lr cannot be searched; choose one of: train.batch_size, workload.layers"),
+    (["bench.mode=maxbatch", "bench.maxbatch_key=workload.layers", "workload=tiny"],
+     "bench.maxbatch_key=workload.layers searches the depth of the lm, and the workloads are ['tiny']"),
 ])
 def test_bad_bench_input_is_one_line_exit_2(capsys, tmp_path, args, message):
     from job.__main__ import main
@@ -507,6 +511,42 @@ def test_maxbatch_end_to_end_on_a_real_out_of_memory(tmp_path):
     assert row.split()[1:3] == [str(r["largest"]), str(r["smallest_too_big"])]
     assert "  dp trials: 256 " in table
     assert_png(out / "bench.png")
+
+
+def test_maxbatch_finds_the_deepest_lm_on_a_real_out_of_memory(tmp_path):
+    """bench.maxbatch_key=workload.layers: the same search over the lm's depth, under an address-space limit
+    that a few hundred MB of AdamW state per ~12 layers exceeds; the table names layers and parameters."""
+    limit = _vm_peak_with_torch() + int(0.6 * 1024**3)
+
+    def cap():
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    out = tmp_path / "m"
+    cmd = job_cmd("bench", "bench.mode=maxbatch", "bench.maxbatch_key=workload.layers", "workload=lm",
+                  "workload.d_model=512", "workload.heads=4", "workload.vocab=64", "workload.seq_len=8",
+                  "train.batch_size=2", "train.device=cpu", "strategies=[dp]", f"bench.out={out}",
+                  "bench.maxbatch_start=4", "bench.maxbatch_precision=0.5", "bench.maxbatch_trials=6")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, preexec_fn=cap)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((out / "bench.json").read_text())
+    validate(doc)
+    assert doc["settings"]["maxbatch"]["key"] == "workload.layers"
+    (r,) = doc["workloads"][0]["maxbatch"]
+    outcomes = {t["batch"]: t["outcome"] for t in r["trials"]}
+    assert (r["granularity"], r["minimum"], r["start"]) == (1, 1, 4)
+    assert r["largest"] and outcomes[r["largest"]] == "fits", r
+    assert r["smallest_too_big"] and outcomes[r["smallest_too_big"]] == "too_big", r
+    # 12 x 512^2 weights per block (attention + MLP) and the embeddings: the count the trainer reports.
+    assert 12 * 512**2 * r["largest"] < r["params"] < 13 * 512**2 * r["largest"] + 4 * 64 * 512 + 16 * 512, r
+    for t in doc["workloads"][0]["runs"]:
+        layers = t["name"].split("@")[1]
+        assert f"layers: {layers}" in (Path(t["run_dir"]) / "config.yaml").read_text()
+        assert "batch_size: 2" in (Path(t["run_dir"]) / "config.yaml").read_text()
+    table = p.stdout[p.stdout.index("== bench maxbatch lm: the largest lm depth (layers)"):]
+    row = next(x for x in table.splitlines() if x.startswith("dp "))
+    assert row.split()[1:3] == [str(r["largest"]), str(r["smallest_too_big"])]
+    assert f"{r['params'] / 1e9:.2f}B" in row
 
 
 def test_tenant_holds_memory_until_stopped():

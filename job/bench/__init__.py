@@ -17,6 +17,8 @@ Three modes (bench.mode):
   steps, each in a fresh `python -m job train`, the batch doubled from bench.maxbatch_start until one
   does not fit, then bisected (search_max_batch). A trial that runs out of memory, or that the memory
   plan refuses ("does not fit", exit 2), is too big; any other failure stops that strategy's search.
+  With bench.maxbatch_key=workload.layers the same search runs over the lm's depth at the configured
+  width and batch: the largest model each strategy trains (its parameter count in the table).
 - **profile**: where a single-process strategy's step time goes: a few steps under torch.profiler in
   a fresh process (`python -m job.bench`, profile_main), the phases timed between device syncs, the top
   operators by CUDA time (CPU time without a GPU); written to profile-<workload>-<strategy>.txt/.json.

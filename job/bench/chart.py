@@ -1,10 +1,11 @@
-"""bench.png: per workload, per-card memory (left) and throughput or the largest batch (right)."""
+"""bench.png: per workload, per-card memory (left) and throughput or the largest batch/model (right)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from job.bench.results import _card_key
+from job.bench.settings import MAXBATCH_KEYS
 
 GIB = 1024**3
 
@@ -29,13 +30,15 @@ def write_chart(doc: dict, path: Path) -> None:
     env = doc["environment"]
     for (ax_mem, ax_right), w in zip(axes, workloads, strict=True):
         if w.get("maxbatch") is not None:
+            key = doc["settings"]["maxbatch"].get("key", "train.batch_size")
+            what = MAXBATCH_KEYS[key][0]
             bars = [(r["strategy"], {"peak_allocated_bytes": [c["peak_allocated_bytes"] for c in
                                                               sorted(r["cards"], key=_card_key)],
                                      "peak_reserved_bytes": [c["peak_reserved_bytes"] for c in
                                                              sorted(r["cards"], key=_card_key)],
                                      "devices": [c["device"] for c in sorted(r["cards"], key=_card_key)]})
                     for r in w["maxbatch"] if r["cards"]]
-            _memory_bars(ax_mem, bars, doc, f"{w['workload']}: per-card peak at the largest batch")
+            _memory_bars(ax_mem, bars, doc, f"{w['workload']}: per-card peak at the largest {what}")
             shown = w["maxbatch"]
             ys = [r["largest"] or 0 for r in shown]
             hb = ax_right.barh(range(len(shown)), ys, color="#807dba")
@@ -45,9 +48,9 @@ def write_chart(doc: dict, path: Path) -> None:
                 ax_right.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, " " + label, va="center",
                               fontsize=8)
             ax_right.set_yticks(range(len(shown)), [r["strategy"] for r in shown])
-            ax_right.set_xlabel("largest global batch that trains")
+            ax_right.set_xlabel(f"largest {what} that trains")
             ax_right.set_xlim(0, (max(ys) if any(ys) else 1) * 1.6)
-            ax_right.set_title(f"{w['workload']}: largest batch")
+            ax_right.set_title(f"{w['workload']}: largest {what}")
             ax_right.invert_yaxis()
             continue
         rows = w.get("summary") or []

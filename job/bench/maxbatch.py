@@ -1,5 +1,6 @@
 """bench.mode=maxbatch, one workload at a time (`maxbatch_workload`): per strategy, the largest global batch
-that trains, found by real trials (`search_max_batch`, `classify_trial`; the rules in job/bench/__init__.py).
+that trains, or with bench.maxbatch_key=workload.layers the deepest lm (the largest model), found by real
+trials (`search_max_batch`, `classify_trial`; the rules in job/bench/__init__.py).
 """
 
 from __future__ import annotations
@@ -131,13 +132,17 @@ def maxbatch_workload(bench: Bench, workload: str) -> dict[str, Any]:
 def _search(bench: Bench, workload: str, strategy: str, ref_cfg, runs: list[dict]) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
-    probe = config_mod.load(bench._args(workload, strategy, "probe", [], warmup=1, steps=1))
-    multi = _multi_process(strategy)
-    ranks = (int(probe.strategy.nprocs) or bench.cuda or 1) if multi else 1
-    g, minimum = batch_rule(multi_process=multi, ranks=ranks, cards=bench.cuda or 1,
-                            accum=int(probe.train.accum_steps),
-                            split=OmegaConf.select(probe, "strategy.split", default=None))
-    start = bench.b.maxbatch_start or int(ref_cfg.train.batch_size)
+    key = bench.b.maxbatch_key
+    if key == "train.batch_size":
+        probe = config_mod.load(bench._args(workload, strategy, "probe", [], warmup=1, steps=1))
+        multi = _multi_process(strategy)
+        ranks = (int(probe.strategy.nprocs) or bench.cuda or 1) if multi else 1
+        g, minimum = batch_rule(multi_process=multi, ranks=ranks, cards=bench.cuda or 1,
+                                accum=int(probe.train.accum_steps),
+                                split=OmegaConf.select(probe, "strategy.split", default=None))
+    else:  # any depth of at least one block
+        g, minimum = 1, 1
+    start = bench.b.maxbatch_start or int(OmegaConf.select(ref_cfg, key))
     budget_s = bench.b.maxbatch_minutes * 60
     t0 = time.monotonic()
     by_batch: dict[int, dict] = {}
@@ -145,7 +150,7 @@ def _search(bench: Bench, workload: str, strategy: str, ref_cfg, runs: list[dict
     def trial(batch: int) -> tuple[str, str | None]:
         left = budget_s - (time.monotonic() - t0)
         row = bench.run_one(workload, f"{strategy}@{batch}", "maxbatch_trial", strategy,
-                            extra=[f"train.batch_size={batch}"], warmup=1, steps=bench.b.maxbatch_steps - 1,
+                            extra=[f"{key}={batch}"], warmup=1, steps=bench.b.maxbatch_steps - 1,
                             timeout_s=max(60.0, left), count_failure=False)
         runs.append(row)
         by_batch[batch] = row
@@ -158,7 +163,7 @@ def _search(bench: Bench, workload: str, strategy: str, ref_cfg, runs: list[dict
             outcome = "error"
         return outcome, row["reason"]
 
-    log.info("bench: maxbatch %s: batches of %d x k, at least %d, from %d", strategy, g, minimum, start)
+    log.info("bench: maxbatch %s: %s of %d x k, at least %d, from %d", strategy, key, g, minimum, start)
     res = search_max_batch(trial, start=start, granularity=g, minimum=minimum,
                            max_trials=bench.b.maxbatch_trials, deadline_s=budget_s,
                            precision=bench.b.maxbatch_precision)
@@ -170,7 +175,8 @@ def _search(bench: Bench, workload: str, strategy: str, ref_cfg, runs: list[dict
     if res["error"]:
         bench.failed += 1
         log.warning("bench: maxbatch %s: %s", strategy, res["stopped"])
-    log.info("bench: maxbatch %s: largest batch that trains %s (too big: %s)", strategy, res["largest"],
+    log.info("bench: maxbatch %s: largest %s that trains %s (too big: %s)", strategy, key, res["largest"],
              res["smallest_too_big"])
     return {"strategy": strategy, **res, "run": best["name"] if best else None,
-            "cards": best["cards"] if best else [], "units_per_s": best["units_per_s"] if best else None}
+            "cards": best["cards"] if best else [], "units_per_s": best["units_per_s"] if best else None,
+            "params": best.get("params") if best else None}

@@ -66,6 +66,7 @@ RUN_SCHEMA = _obj({
     "cards": _array(CARD_SCHEMA),
     "scrapes_ok": _nullable(_INT),
     "scrapes_failed": _nullable(_INT),
+    "params": _nullable(_INT),
 })
 SPREAD_SCHEMA = _obj({"median": _NUM, "min": _NUM, "max": _NUM, "n": _INT})
 SUMMARY_SCHEMA = _obj({
@@ -85,6 +86,7 @@ COMPARISON_SCHEMA = _obj({
     "ratio": _nullable(_NUM), "a_median": _NUM, "b_median": _NUM,
     "claim": _BOOL, "verdict": {"enum": ["ranges do not overlap", "overlapping", "one run each: no claim"]},
 })
+# A trial's "batch" is the value of settings.maxbatch.key it tried (the global batch, or the lm's layers).
 TRIAL_SCHEMA = _obj({"batch": _INT, "outcome": {"enum": ["fits", "too_big", "error", "interrupted"]},
                      "reason": _nullable(_STR), "run": _nullable(_STR), "wall_s": _nullable(_NUM)})
 MAXBATCH_SCHEMA = _obj({
@@ -92,6 +94,7 @@ MAXBATCH_SCHEMA = _obj({
     "largest": _nullable(_INT), "smallest_too_big": _nullable(_INT), "exact": _BOOL,
     "stopped": _nullable(_STR), "error": _BOOL, "trials": _array(TRIAL_SCHEMA),
     "run": _nullable(_STR), "cards": _array(CARD_SCHEMA), "units_per_s": _nullable(_NUM),
+    "params": _nullable(_INT),
 })
 OVERHEAD_SCHEMA = _obj({
     "strategy": _STR,
@@ -149,7 +152,7 @@ RESULT_SCHEMA = {
             "steps": _INT, "warmup": _INT, "repeats": _INT, "strategies": _array(_STR),
             "workloads": _array(_STR), "baseline": _STR, "cpu_procs": _INT, "overrides": {"type": "object"},
             "out": _STR, "imagefolder": _BOOL,
-            "maxbatch": _obj({"start": _INT, "steps": _INT, "trials": _INT, "minutes": _NUM, "precision": _NUM}),
+            "maxbatch": _obj({"key": _STR, "start": _INT, "steps": _INT, "trials": _INT, "minutes": _NUM, "precision": _NUM}),
         }),
         "tenant": _nullable(_obj({"gb": _NUM, "device": _STR, "pid": _INT})),
         "environment": ENV_SCHEMA,
@@ -172,7 +175,7 @@ def empty_run(name: str, kind: str, strategy: str, *, repeat: int = 1, data: str
             "batch_size": None, "world_size": None, "units": None, "timed_steps": None,
             "samples_per_s": None, "units_per_s": None, "step_s": None, "trainer_samples_per_s": None,
             "imbalance": None, "scaling_vs_1": None, "scaling_note": None, "peak_window": None,
-            "window_note": None, "cards": [], "scrapes_ok": None, "scrapes_failed": None}
+            "window_note": None, "cards": [], "scrapes_ok": None, "scrapes_failed": None, "params": None}
 
 
 def workload_result(workload: str, ref_cfg, *, cards: int, runs: list[dict], summary: list[dict] | None = None,

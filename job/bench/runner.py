@@ -102,6 +102,9 @@ class Bench:
             if not any(WORKLOADS[w].is_image for w in self.workloads):
                 raise UsageError(f"bench.imagefolder=true needs an image workload, and bench.workloads is "
                                  f"{self.workloads}; add resnet50 (GPU) or tiny (CPU)")
+        if self.b.mode == "maxbatch" and self.b.maxbatch_key == "workload.layers" and set(self.workloads) != {"lm"}:
+            raise UsageError(f"bench.maxbatch_key=workload.layers searches the depth of the lm, and the workloads "
+                             f"are {self.workloads}; use workload=lm (its width: workload.d_model)")
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         self.out = Path(self.b.out or Path(cfg.train.run_dir) / f"bench-{stamp}")
         self.images_dir = Path(self.b.imagefolder_dir or Path(cfg.train.run_dir) / "bench-images")
@@ -254,6 +257,7 @@ class Bench:
             "samples_per_s": sps, "units_per_s": sps * k, "step_s": row["batch_size"] / sps,
             "trainer_samples_per_s": float(summary["samples_per_s"]),
             "imbalance": summary.get("imbalance"), "cards": cards, "peak_window": window,
+            "params": summary.get("params"),
         })
         if window != [warmup, total]:
             row["window_note"] = (f"peaks cover steps after {window[0]} to {window[1]}, not the timed steps "
@@ -302,7 +306,7 @@ class Bench:
             "settings": {"steps": b.steps, "warmup": b.warmup, "repeats": b.repeats, "strategies": list(b.strategies),
                          "workloads": self.workloads, "baseline": b.baseline, "cpu_procs": b.cpu_procs,
                          "overrides": _nest(self.overrides), "out": str(self.out), "imagefolder": bool(b.imagefolder),
-                         "maxbatch": {"start": b.maxbatch_start, "steps": b.maxbatch_steps,
+                         "maxbatch": {"key": b.maxbatch_key, "start": b.maxbatch_start, "steps": b.maxbatch_steps,
                                       "trials": b.maxbatch_trials, "minutes": float(b.maxbatch_minutes),
                                       "precision": float(b.maxbatch_precision)}},
             "tenant": ({"gb": float(b.tenant_gb), "device": "cuda:0", "pid": self.tenant.pid}

@@ -17,6 +17,9 @@ from job.errors import UsageError
 # Keys the benchmark sets on every run; the user's values for them are not passed on.
 BENCH_KEYS = ("train.steps", "train.timing_warmup", "train.log_every", "train.checkpoint_every",
               "train.final_checkpoint", "train.run_dir", "train.run_id", "train.resume")
+# What bench.mode=maxbatch can search (the batch, or the depth of the lm: the largest model), with what the
+# table and chart call the result and the values.
+MAXBATCH_KEYS = {"train.batch_size": ("global batch", "batches"), "workload.layers": ("lm depth (layers)", "layers")}
 # Keys that pick what is compared rather than how it runs.
 PICK_KEYS = ("strategy.name", "workload.name")
 
@@ -107,7 +110,10 @@ def _check(b) -> None:
         raise UsageError(f"bench.maxbatch_steps={b.maxbatch_steps} must be at least 2: the first step is "
                          "warm-up, peaks are taken over the others")
     if b.maxbatch_start < 0:
-        raise UsageError(f"bench.maxbatch_start={b.maxbatch_start} must not be negative (0: train.batch_size)")
+        raise UsageError(f"bench.maxbatch_start={b.maxbatch_start} must not be negative (0: the config's value)")
+    if b.maxbatch_key not in MAXBATCH_KEYS:
+        raise UsageError(f"bench.maxbatch_key={b.maxbatch_key} cannot be searched; choose one of: "
+                         f"{', '.join(MAXBATCH_KEYS)}")
     if not b.maxbatch_minutes > 0:
         raise UsageError(f"bench.maxbatch_minutes={b.maxbatch_minutes} must be positive")
     if not 0 <= b.maxbatch_precision < 1:

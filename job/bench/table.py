@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from job.bench.environment import versions
 from job.bench.results import _card_key
-from job.bench.settings import _registered_name
+from job.bench.settings import MAXBATCH_KEYS, _registered_name
 
 MB = 1024 * 1024  # MB in tables means MiB, as in the trainer's table (job/report.py)
 
@@ -97,11 +97,12 @@ def table(doc: dict, w: dict) -> str:
 
 def _maxbatch_table(doc: dict, w: dict) -> str:
     m = doc["settings"]["maxbatch"]
+    what, values = MAXBATCH_KEYS[m.get("key", "train.batch_size")]
     where = f"{w['cards']} GPU(s)" if doc["device"] == "cuda" else f"CPU, {w['cards']} ddp processes"
-    lines = [f"== bench maxbatch {w['workload']}: the largest global batch each strategy trains, {where}; "
+    lines = [f"== bench maxbatch {w['workload']}: the largest {what} each strategy trains, {where}; "
              f"trials of {m['steps']} steps, peaks over steps 2-{m['steps']}", *_header(doc)]
     unit = f"{w['unit']}/s"
-    head = ["strategy", "largest batch", "too big at", "batches", "peak alloc MB at largest",
+    head = ["strategy", f"largest {values}", "too big at", values, "params at largest", "peak alloc MB at largest",
             "peak reserved MB", "NVML used MB", unit, "trials", "note"]
     body = []
     for r in w["maxbatch"]:
@@ -116,7 +117,8 @@ def _maxbatch_table(doc: dict, w: dict) -> str:
         if r["largest"] is None and not r["error"]:
             note = f"even {r['minimum']} does not fit" if r["smallest_too_big"] == r["minimum"] else note
         body.append([r["strategy"], str(r["largest"] or "-"), str(r["smallest_too_big"] or "-"),
-                     f"{r['granularity']}k >= {r['minimum']}", col("peak_allocated_bytes"),
+                     f"{r['granularity']}k >= {r['minimum']}",
+                     f"{r['params'] / 1e9:.2f}B" if r.get("params") else "-", col("peak_allocated_bytes"),
                      col("peak_reserved_bytes"), col("nvml_used_bytes"),
                      f"{r['units_per_s']:,.0f}" if r["units_per_s"] else "-", str(len(r["trials"])), note])
     lines += _grid(head, body)
