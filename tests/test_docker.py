@@ -586,7 +586,8 @@ def test_image_runs_the_cli_as_non_root(engine, stack):
 @pytest.mark.slow
 @pytest.mark.timeout(STACK_TIMEOUT)
 def test_trainer_series_arrive_in_prometheus(stack):
-    samples = stack.wait_for('trainjob_samples_total{job="trainjob", run="ci"}')
+    # The counter is exported at 0 before the first step: wait until a scrape saw it grow.
+    samples = stack.wait_for('trainjob_samples_total{job="trainjob", run="ci"} > 0')
     assert float(samples[0]["value"][1]) > 0
     (info,) = stack.wait_for('trainjob_info{run="ci"}')
     assert info["metric"]["host"] == NODE and info["metric"]["strategy"] == "ddp"
@@ -659,7 +660,7 @@ def test_cpu_stack_without_a_gpu_reservation_fills_prometheus(stack):
         assert not info["HostConfig"].get("DeviceRequests"), (service, info["HostConfig"].get("DeviceRequests"))
         assert "NVIDIA_VISIBLE_DEVICES=void" in info["Config"]["Env"], service
         assert info["Id"] not in asked, f"{service}: the nvidia driver was asked for a device"
-    samples = stack.wait_for('trainjob_samples_total{job="trainjob", run="cpu"}')
+    samples = stack.wait_for('trainjob_samples_total{job="trainjob", run="cpu"} > 0')  # 0 before the first step
     assert float(samples[0]["value"][1]) > 0
     (info,) = stack.wait_for('trainjob_info{run="cpu"}')
     assert info["metric"]["host"] == NODE, info
