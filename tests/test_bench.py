@@ -265,7 +265,7 @@ def _run(name, kind, strategy, cards, world, sps, *, repeat=1, status="ok", reas
          "units": len(cards), "timed_steps": 50, "samples_per_s": sps, "units_per_s": sps * 1024 if sps else None,
          "step_s": 16 / sps if sps else None, "trainer_samples_per_s": sps, "imbalance": None, "scaling_vs_1": None,
          "scaling_note": None, "peak_window": list(window) if status == "ok" else None, "window_note": None,
-         "cards": cards, "scrapes_ok": None, "scrapes_failed": None}
+         "cards": cards, "scrapes_ok": None, "scrapes_failed": None, "params": None}
     if len(cards) > 1:
         peaks = [c["peak_allocated_bytes"] for c in cards]
         r["imbalance"] = max(peaks) / min(peaks)
@@ -284,7 +284,8 @@ def _env() -> dict:
 def _settings(**kw) -> dict:
     return {"steps": 50, "warmup": 10, "repeats": 2, "strategies": ["dp", "ddp", "balanced"], "workloads": ["lm"],
             "baseline": "ddp", "cpu_procs": 2, "overrides": {}, "out": "/x", "imagefolder": False,
-            "maxbatch": {"start": 16, "steps": 3, "trials": 12, "minutes": 30.0, "precision": 0.05}, **kw}
+            "maxbatch": {"key": "train.batch_size", "start": 16, "steps": 3, "trials": 12, "minutes": 30.0,
+                         "precision": 0.05}, **kw}
 
 
 def _gpu_doc() -> dict:
