@@ -85,8 +85,9 @@ class BalancedStrategy(Strategy):
             bufs = [_running_stats(r) for r in plain]
             floats = [i for i, b in enumerate(bufs[0]) if b.is_floating_point()]
             others = [i for i, b in enumerate(bufs[0]) if not b.is_floating_point()]
-            groups = comm.group_by(bufs[0], floats) + comm.group_by(bufs[0], others)
-            self._n_float_groups = len(comm.group_by(bufs[0], floats))
+            float_groups = comm.group_by(bufs[0], floats)
+            groups = float_groups + comm.group_by(bufs[0], others)
+            self._n_float_groups = len(float_groups)
             self._stats = [comm.rehome_buffers(r, b, groups) for r, b in zip(plain, bufs)]
         if self.devices[0].type == "cuda" and len(self.devices) > 1:
             log.info("balanced: %d persistent replicas, forwards launched %s: cudnn.benchmark stays %s "

@@ -35,7 +35,7 @@ class DDPStrategy(Strategy):
         self.micro_batch = micro_batch
         if micro_batch < self.world_size:
             raise UsageError(
-                f"ddp: micro-batch {micro_batch} (train.batch_size / train.accum_steps) cannot give each of "
+                f"{self.name}: micro-batch {micro_batch} (train.batch_size / train.accum_steps) cannot give each of "
                 f"{self.world_size} ranks a sample; use train.batch_size >= {self.world_size} x train.accum_steps"
             )
         self.mode = parse_mode(self.cfg, self.world_size, micro_batch, minimum=self.min_share)

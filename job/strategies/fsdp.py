@@ -38,7 +38,6 @@ from torch import nn
 
 from job import memplan
 from job.errors import UsageError
-from job.strategies.base import parse_mode
 from job.strategies.ddp import DDPStrategy
 
 log = logging.getLogger("job")
@@ -83,13 +82,7 @@ class FSDPStrategy(DDPStrategy):
                 "fsdp does not support train.amp=fp16 (its loss scaler would have to agree across shards on "
                 "skipped steps); use train.amp=bf16 (FSDP's mixed-precision policy) or off"
             )
-        self.micro_batch = micro_batch
-        if micro_batch < self.world_size:
-            raise UsageError(
-                f"fsdp: micro-batch {micro_batch} (train.batch_size / train.accum_steps) cannot give each of "
-                f"{self.world_size} ranks a sample; use train.batch_size >= {self.world_size} x train.accum_steps"
-            )
-        self.mode = parse_mode(self.cfg, self.world_size, micro_batch, minimum=self.min_share)
+        super().check(micro_batch=micro_batch)  # a sample per rank, and the split
         if self.device.type == "cuda" and self.cfg.backend == "gloo":
             raise UsageError("fsdp on GPUs needs NCCL (gloo has no all-gather or reduce-scatter of CUDA tensors); use "
                              "strategy.backend=auto or nccl")
