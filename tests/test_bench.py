@@ -471,20 +471,26 @@ def _vm_peak_with_torch() -> int:
     return int(out.stdout.split()[0]) * 1024
 
 
-def test_maxbatch_end_to_end_on_a_real_out_of_memory(tmp_path):
-    """Real trial processes under an address-space limit: the large batch really runs out of memory (the
-    CPU allocator's error), the search stops between a batch that trains and one that does not."""
+def _bench_with_memory_limit(*args: str) -> subprocess.CompletedProcess:
+    """`python -m job bench ARGS` on the CPU under an address-space limit 0.6 GiB above what torch alone
+    takes, inherited by every trial process: a trial past it really runs out of memory."""
     limit = _vm_peak_with_torch() + int(0.6 * 1024**3)
 
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    out = tmp_path / "m"
-    cmd = job_cmd("bench", "bench.mode=maxbatch", "workload=tiny", "workload.width=8", "workload.image_size=64",
-                  "train.device=cpu", "train.lr=0.01", "strategies=[dp]", f"bench.out={out}",
-                  "bench.maxbatch_start=256", "bench.maxbatch_precision=0.5", "bench.maxbatch_trials=5")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, preexec_fn=cap)
+    return subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=600, env=env,
+                          preexec_fn=cap)
+
+
+def test_maxbatch_end_to_end_on_a_real_out_of_memory(tmp_path):
+    """Real trial processes under an address-space limit: the large batch really runs out of memory (the
+    CPU allocator's error), the search stops between a batch that trains and one that does not."""
+    out = tmp_path / "m"
+    p = _bench_with_memory_limit("bench.mode=maxbatch", "workload=tiny", "workload.width=8", "workload.image_size=64",
+                                 "train.device=cpu", "train.lr=0.01", "strategies=[dp]", f"bench.out={out}",
+                                 "bench.maxbatch_start=256", "bench.maxbatch_precision=0.5", "bench.maxbatch_trials=5")
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads((out / "bench.json").read_text())
     validate(doc)
@@ -517,18 +523,11 @@ def test_maxbatch_end_to_end_on_a_real_out_of_memory(tmp_path):
 def test_maxbatch_finds_the_deepest_lm_on_a_real_out_of_memory(tmp_path):
     """bench.maxbatch_key=workload.layers: the same search over the lm's depth, under an address-space limit
     that a few hundred MB of AdamW state per ~12 layers exceeds; the table names layers and parameters."""
-    limit = _vm_peak_with_torch() + int(0.6 * 1024**3)
-
-    def cap():
-        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
     out = tmp_path / "m"
-    cmd = job_cmd("bench", "bench.mode=maxbatch", "bench.maxbatch_key=workload.layers", "workload=lm",
-                  "workload.d_model=512", "workload.heads=4", "workload.vocab=64", "workload.seq_len=8",
-                  "train.batch_size=2", "train.device=cpu", "strategies=[dp]", f"bench.out={out}",
-                  "bench.maxbatch_start=4", "bench.maxbatch_precision=0.5", "bench.maxbatch_trials=6")
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1", "MALLOC_ARENA_MAX": "2"}
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env, preexec_fn=cap)
+    p = _bench_with_memory_limit("bench.mode=maxbatch", "bench.maxbatch_key=workload.layers", "workload=lm",
+                                 "workload.d_model=512", "workload.heads=4", "workload.vocab=64", "workload.seq_len=8",
+                                 "train.batch_size=2", "train.device=cpu", "strategies=[dp]", f"bench.out={out}",
+                                 "bench.maxbatch_start=4", "bench.maxbatch_precision=0.5", "bench.maxbatch_trials=6")
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads((out / "bench.json").read_text())
     validate(doc)

@@ -429,6 +429,27 @@ def test_undecodable_image_mid_run_is_named_and_checkpoints_kept(tmp_path):
     assert [c.name for c in checkpoints(tmp_path / "m")] == ["step_00000001.pt", "step_00000002.pt"]
 
 
+def _two_ranks(cmds: list[list[str]], cwds: list[Path], env: dict, *, timeout: float):
+    """Start ranks 0 and 1 of a gloo group by hand, as torchrun would (RANK, WORLD_SIZE, a free
+    MASTER_PORT), each with its command and working directory; wait for both (killed at the end if left)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank, (cmd, cwd) in enumerate(zip(cmds, cwds, strict=True)):
+        renv = {**env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen(cmd, cwd=cwd, env=renv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        outs = [pr.communicate(timeout=timeout) for pr in procs]
+    finally:
+        for pr in procs:
+            if pr.poll() is None:
+                pr.kill()
+    return procs, outs
+
+
 # -- rank agreement on the checkpoint to resume ---------------------------------------------------------------
 def test_ranks_resume_the_checkpoint_rank_0_chose(tmp_path):
     """Two gloo ranks started as torchrun would, each in its own working directory with a relative
@@ -442,21 +463,8 @@ def test_ranks_resume_the_checkpoint_rank_0_chose(tmp_path):
     p = subprocess.run(job_cmd("train", *common, "strategy.nprocs=2", "train.steps=4"), cwd=a, env=env,
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank, cwd in ((0, a), (1, b)):
-        renv = {**env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen(job_cmd("train", *common, "train.steps=8"), cwd=cwd, env=renv,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        outs = [pr.communicate(timeout=180) for pr in procs]
-    finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.kill()
+    cmd = job_cmd("train", *common, "train.steps=8")
+    procs, outs = _two_ranks([cmd, cmd], [a, b], env, timeout=180)
     assert [pr.returncode for pr in procs] == [0, 0], [o[1][-2000:] for o in outs]
     assert f"resumed from {a / 'runs' / 'x' / 'checkpoints' / 'step_00000004.pt'}" in outs[0][1]
     assert not (b / "runs").exists()  # rank 1 wrote nothing of its own
@@ -505,24 +513,9 @@ def test_a_rank_that_cannot_see_rank_0s_checkpoint_says_so(tmp_path):
     p = subprocess.run(job_cmd("train", *common, "strategy.nprocs=2", "train.steps=4"), cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in (0, 1):
-        renv = {**env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
-        cmd = job_cmd("train", *common, "train.steps=8")
-        if rank == 1:
-            cmd = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{runs}" && exec "$0" "$@"', *cmd]
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=renv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
-    try:
-        outs = [pr.communicate(timeout=120) for pr in procs]
-    finally:
-        for pr in procs:
-            if pr.poll() is None:
-                pr.kill()
+    cmd = job_cmd("train", *common, "train.steps=8")
+    hidden = ["unshare", "-m", "sh", "-c", f'mount -t tmpfs tmpfs "{runs}" && exec "$0" "$@"', *cmd]
+    procs, outs = _two_ranks([cmd, hidden], [ROOT, ROOT], env, timeout=120)
     assert procs[1].returncode == 2, outs[1][1]
     assert procs[0].returncode != 0, outs[0][1]
     ck = runs / "x" / "checkpoints" / "step_00000004.pt"
