@@ -72,7 +72,7 @@ class Job:
         return rc, end
 
     def rank_pids(self) -> list[int]:
-        t = self.wait_for(r"ddp: started \d+ ranks")
+        t = self.wait_for(r"^\w+: started \d+ ranks")  # the launcher, named after the strategy
         line = next(line for tt, line in self.lines if tt == t and "started" in line)
         return [int(p) for p in re.search(r"pids ([\d ]+)", line).group(1).split()]
 
@@ -129,6 +129,24 @@ def test_a_failing_rank_ends_the_job_within_the_bound(tmp_path, fault, said, cod
     assert len([line for _, line in job.lines if line.startswith("error:")]) <= 1, job.text
     if fault.endswith("raise"):  # a bug's traceback is kept, in the run directory, not on the terminal
         assert "injected fault" in (tmp_path / "f" / "rank1-error.txt").read_text()
+
+
+@pytest.mark.parametrize("fault,said,code", [
+    ("1:3:raise", r"^error: rank 1 \(cpu\): RuntimeError: injected fault", 1),
+    ("0:3:kill", r"^rank 1 \(cpu\): stopping: lost rank 0", 137),
+], ids=["raise-rank1", "kill-rank0"])
+def test_a_failing_fsdp_rank_ends_the_job_within_the_bound(tmp_path, fault, said, code):
+    """fsdp's peers wait in all-gathers (not ddp's all-reduce): the same bound, the same one line."""
+    job = train(tmp_path, "s", "strategy=fsdp", "strategy.nprocs=2", "train.steps=200", "strategy.timeout_s=5",
+                fault=fault)
+    started = job.wait_for(r"^run s: fsdp")
+    pids = job.rank_pids()
+    rc, end = job.finish()
+    assert end - started < BOUND_S, f"job took {end - started:.1f} s after training started:\n{job.text}"
+    assert wait_gone(pids, 1.0) == [], "a rank outlived the launcher"
+    assert rc == code, job.text
+    assert len([line for _, line in job.lines if re.search(said, line)]) == 1, job.text
+    assert "Traceback" not in job.text and "frame #" not in job.text, job.text
 
 
 def test_bad_input_seen_by_every_rank_is_said_once(tmp_path):
