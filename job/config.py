@@ -45,6 +45,10 @@ class StrategyCfg:
     together; best when the GPUs, not Python, are the limit), or launch every card's forward from the main
     thread in turn (false: no hand-offs of Python's GIL between threads at every operation; faster when
     the step is short and Python-bound, e.g. deep, narrow LMs: docs/strategies.md)."""
+    cuda_graphs: bool = False
+    """balanced: capture each card's forward, loss and backward once as CUDA graphs and replay them (one
+    launch per card instead of one per kernel: for short, Python-bound steps such as deep, narrow LMs;
+    docs/strategies.md). Needs GPUs; not with train.compile."""
     bucket_mb: float = 25.0
     """balanced/ddp: size of the gradient buckets in MiB; each bucket is summed across the cards as soon as
     the backward has produced it, overlapping the rest of the backward."""
@@ -525,6 +529,7 @@ def validate(cfg) -> None:
                          "65536 (25 is DDP's default)")
     if not 0 < cfg.strategy.timeout_s < 1e6:  # also refuses nan
         raise UsageError(f"`strategy.timeout_s={cfg.strategy.timeout_s}` must be a number of seconds above 0")
+    _check_cuda_graphs(cfg)
     if not 0 <= cfg.telemetry.port <= 65535:
         raise UsageError(f"`telemetry.port={cfg.telemetry.port}` is not a TCP port; use 1-65535, or 0 for off")
     if t.batch_size % t.accum_steps:
@@ -566,6 +571,18 @@ def _check_floats(cfg) -> None:
             f"`train.weight_decay={t.weight_decay}` with train.lr={t.lr}: {FLOAT_RANGES['train.weight_decay']} "
             f"(here lr x weight_decay = {t.lr * t.weight_decay:g})"
         )
+
+
+def _check_cuda_graphs(cfg) -> None:
+    if not cfg.strategy.cuda_graphs:
+        return
+    if cfg.strategy.name != "balanced":
+        raise UsageError(f"strategy.cuda_graphs=true is balanced's (one process launching every card's work); "
+                         f"strategy={cfg.strategy.name} does not use it: drop it or use strategy=balanced")
+    if cfg.train.compile:
+        raise UsageError("strategy.cuda_graphs=true and train.compile=true both rebuild the step; keep one of them")
+    if cfg.train.device == "cpu":
+        raise UsageError("strategy.cuda_graphs=true needs CUDA cards, and train.device=cpu; drop one of them")
 
 
 FLOAT_RANGES = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 
 import pytest
@@ -342,15 +343,15 @@ class _Skip(torch.nn.Module):
 _seq_ce = WORKLOADS["lm"].loss
 
 
-def _train_like_one_process(devices, gpu0: str, dtype=torch.float32):
+def _train_like_one_process(devices, gpu0: str, dtype=torch.float32, cuda_graphs: bool = False):
     """3 steps x 2 micro-steps of AdamW through balanced (buckets of ~1 parameter each, so every bucket
     is summed on its own) against one process; the parameters must match after every step."""
     torch.manual_seed(0)
     ref = _Skip().to(devices[0], dtype)
     model = _Skip().to(devices[0], dtype)
     model.load_state_dict(ref.state_dict())
-    s = BalancedStrategy(OmegaConf.structured(StrategyCfg(name="balanced", gpu0_batch=gpu0, bucket_mb=0.001)),
-                         devices=devices)
+    s = BalancedStrategy(OmegaConf.structured(StrategyCfg(name="balanced", gpu0_batch=gpu0, bucket_mb=0.001,
+                                                          cuda_graphs=cuda_graphs)), devices=devices)
     s.check(micro_batch=5)
     s.setup(model, _seq_ce)
     assert len(s._params[0]) > 8
@@ -380,8 +381,10 @@ def _train_like_one_process(devices, gpu0: str, dtype=torch.float32):
                 for (name, p), q in zip(replica.named_parameters(), ref.parameters()):
                     torch.testing.assert_close(p.detach().to(q.device), q.detach(), rtol=1e-5, atol=1e-6,
                                                msg=f"step {step + 1}: {name}")
-        assert s.reducer.launched and (devices[0].type == "cpu" or any(s.reducer.launched)), \
+        assert s.reducer.launched and (devices[0].type == "cpu" or len(devices) == 1 or any(s.reducer.launched)), \
             "no bucket was summed during the backward"
+        if cuda_graphs:  # the 5-sample micro-steps replayed graphs; the 4-sample ones ran eagerly
+            assert sorted(s.graphs) == [k for k, n in enumerate(s.sizes) if n] and sum(s.sizes) == 5, s.sizes
     finally:
         s.teardown()
 
@@ -434,3 +437,87 @@ def test_buffers_that_are_not_statistics_stay_exact():
         assert len(s._stats[0].views) == 3  # running mean, var, batches tracked of the one BatchNorm
     finally:
         s.teardown()
+
+
+# -- CUDA graphs (strategy.cuda_graphs) ----------------------------------------------------------------
+
+@pytest.mark.parametrize("args,line", [
+    (["strategy=balanced-graphs"], "strategy.cuda_graphs=true needs CUDA cards, and no GPU is visible"),
+    (["strategy=ddp", "strategy.cuda_graphs=true"], "strategy.cuda_graphs=true is balanced's"),
+    (["strategy=balanced-graphs", "train.compile=true"], "strategy.cuda_graphs=true and train.compile=true"),
+    (["strategy=balanced-graphs", "train.device=cpu"], "strategy.cuda_graphs=true needs CUDA cards, and train.device=cpu"),
+])
+def test_cuda_graphs_refusals(tmp_path, args, line):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    p = subprocess.run(job_cmd("train", *args, "train.steps=1", f"train.run_dir={tmp_path}"), cwd=ROOT,
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 2 and line in p.stderr and p.stderr.count("\n") == 1, p.stderr
+    assert not any(tmp_path.iterdir())
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+@pytest.mark.parametrize("cards", [1, 2])
+def test_cuda_graphs_train_like_one_process(cards):
+    """Replayed graphs (5-sample micro-steps) and eager fallbacks (4-sample ones) share the weights and the
+    buckets; float64 AdamW over 3 steps equals one process."""
+    if torch.cuda.device_count() < cards:
+        pytest.skip(f"needs {cards} GPUs")
+    _train_like_one_process([torch.device("cuda", k) for k in range(cards)], "auto", torch.float64, cuda_graphs=True)
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+@pytest.mark.parametrize("cards", [1, 2])
+def test_cuda_graphs_keep_batchnorm_statistics(cards):
+    """The capture's warm-up steps do not count: statistics and weights after 5 steps equal the eager
+    strategy's, and every step is counted once."""
+    if torch.cuda.device_count() < cards:
+        pytest.skip(f"needs {cards} GPUs")
+    devices = [torch.device("cuda", k) for k in range(cards)]
+    torch.manual_seed(0)
+    models = [_BNNet().cuda(), _BNNet().cuda()]
+    models[1].load_state_dict(models[0].state_dict())
+    runs = []
+    for model, graphed in zip(models, (False, True)):
+        s = BalancedStrategy(OmegaConf.structured(StrategyCfg(name="balanced", cuda_graphs=graphed)), devices=devices)
+        s.check(micro_batch=12)
+        s.setup(model, _ce)
+        opt = s.build_optimizer(lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+        gen = torch.Generator().manual_seed(3)
+        try:
+            for _ in range(5):
+                x, y = torch.randn(12, 3, 8, 8, generator=gen).cuda(), torch.randint(0, 4, (12,), generator=gen).cuda()
+                opt.zero_grad(set_to_none=True)
+                with s.backward_sync(True):
+                    s.loss(x, y).backward()
+                opt.step()
+            assert bool(s.graphs) == graphed
+        finally:
+            s.teardown()
+        runs.append(model)
+    eager, graphed = runs
+    assert int(graphed.body[1].num_batches_tracked) == 5
+    for (name, a), b in zip(eager.state_dict().items(), graphed.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@requires_gpus(1)
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", [[], ["train.activation_checkpointing=true"]])
+def test_cuda_graphs_through_the_cli(tmp_path, extra):
+    """A small bf16 LM trained with and without graphs: the same losses, and the capture is logged."""
+    common = ["workload=lm", "workload.layers=4", "workload.d_model=256", "workload.heads=4", "workload.vocab=1024",
+              "workload.seq_len=128", "train.batch_size=8", "train.amp=bf16", "train.steps=8", "train.log_every=4",
+              "strategy.split=even", f"train.run_dir={tmp_path}", *extra]
+    losses = {}
+    for name in ("balanced", "balanced-graphs"):
+        p = subprocess.run(job_cmd("train", f"strategy={name}", f"train.run_id={name}", *common), cwd=ROOT,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert ("captured as CUDA graphs" in p.stderr) == (name == "balanced-graphs"), p.stderr[-3000:]
+        losses[name] = [json.loads(line)["loss"] for line in
+                        (tmp_path / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    assert len(losses["balanced"]) >= 2, losses
+    torch.testing.assert_close(torch.tensor(losses["balanced-graphs"]), torch.tensor(losses["balanced"]),
+                               rtol=2e-2, atol=1e-3)

@@ -35,7 +35,7 @@ from torch import nn
 
 from job import memplan
 from job.errors import UsageError
-from job.strategies import comm
+from job.strategies import comm, graphs
 from job.strategies.base import Strategy, parse_gpu0, parse_mode, split_sizes
 from job.strategies.workers import Worker, result
 
@@ -57,11 +57,15 @@ class BalancedStrategy(Strategy):
         self._sync = True
         self.reducer: comm.GradReducer | None = None
         self._stats: list[comm.FlatViews] = []  # per replica: BatchNorm statistics (floats), then counters
+        self.graphs: dict[int, graphs.StepGraph] | None = None  # strategy.cuda_graphs: card -> captured step
 
     def check(self, *, micro_batch: int) -> None:
         self.micro_batch = micro_batch
         n = len(self.devices)
         self.mode = parse_mode(self.cfg, n, micro_batch, minimum=self.min_share)
+        if self.cfg.cuda_graphs and self.devices[0].type != "cuda":
+            raise UsageError("strategy.cuda_graphs=true needs CUDA cards, and no GPU is visible to this run; "
+                             "drop strategy.cuda_graphs or run on GPUs")
         zero_ok = isinstance(self.mode, list) and 0 in self.mode
         if n > 1 and micro_batch < n and not zero_ok:
             raise UsageError(
@@ -75,6 +79,8 @@ class BalancedStrategy(Strategy):
         self.replicas = [model] + [copy.deepcopy(model).to(d) for d in self.devices[1:]]
         if compile:
             self.replicas = [torch.compile(r) for r in self.replicas]
+        if self.cfg.cuda_graphs:
+            self.graphs = {}
         if self.cfg.replica_threads:
             self.workers = [Worker(f"balanced-{d}") for d in self.devices[1:]]
         plain = self._plain_replicas()
@@ -177,13 +183,21 @@ class BalancedStrategy(Strategy):
             xk = xs[k].to(dev, non_blocking=True)
             yk = ys[k].to(dev, non_blocking=True)
             enabled, dtype = amp[dev.type]
+            graph = self.graphs.get(k) if self.graphs is not None and grad else None
+            if graph is not None and graph.matches(xk, yk, amp[dev.type]) and self.replicas[k].training:
+                with torch.cuda.device(dev):
+                    return graph.run(xk, yk)
             ctx = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
             with ctx, torch.set_grad_enabled(grad), torch.autocast(dev.type, dtype=dtype, enabled=enabled):
                 return self.loss_fn(self.replicas[k](xk), yk, reduction="sum")
 
-        if grad and len(self.replicas) > 1:
+        # Graphed steps need the gradients in buckets even on one card: autograd adds the graph's gradients
+        # into them (a gradient it could take over would be the graph's own buffer, overwritten next step).
+        if grad and (len(self.replicas) > 1 or self.graphs is not None):
             if self.reducer is None:  # after the memory plan, whose probes measure gradients without buckets
                 self.reducer = comm.GradReducer(self._params, self.devices, self.cfg.bucket_mb)
+            if self.graphs is not None:
+                self._capture(xs, ys, sizes, amp)
             self.reducer.prepare([n > 0 for n in sizes], sync=self._sync)
         if not self.workers:  # every card's forward launched from this thread in turn (no GIL hand-offs)
             sums = [forward(k) for k in range(len(self.devices)) if sizes[k]]
@@ -196,6 +210,18 @@ class BalancedStrategy(Strategy):
         dev0 = self.devices[0]
         # Only scalars cross to GPU 0: the mean over all samples, whatever the split.
         return torch.stack([s.to(dev0) for s in sums]).sum() / total
+
+    def _capture(self, xs, ys, sizes: list[int], amp) -> None:
+        """At the first training micro-step of the planned split, capture every card's step (here in the main
+        thread, before any replica runs); later shapes run eagerly."""
+        if self.graphs or sizes != self.sizes or not self.replicas[0].training:
+            return
+        for k, dev in enumerate(self.devices):
+            if sizes[k]:
+                x, y = xs[k].to(dev), ys[k].to(dev)
+                self.graphs[k] = graphs.capture(k, self.replicas[k], self.loss_fn, x, y, amp=amp[dev.type])
+        log.info("balanced: each card's step captured as CUDA graphs (shares %s); other shapes run eagerly",
+                 [n for n in sizes if n])
 
     @contextlib.contextmanager
     def backward_sync(self, enabled: bool):

@@ -149,7 +149,7 @@ class GradReducer:
             allreduce_sum([torch.zeros(1, device=d) for d in devices], devices)
         self._lock = threading.Lock()
         self._pairs = [(replica[i], v) for replica, home in zip(params, self.homes) for i, v in home.views.items()]
-        self.armed, self.active = False, [True] * len(devices)
+        self.armed, self.closing, self.active = False, False, [True] * len(devices)
         self.touched: list[set[int]] = [set() for _ in params]
         self.pending: list[list[int]] = []
         self.events: list[list] = []
@@ -179,6 +179,7 @@ class GradReducer:
         self.events = [[None] * n for _ in self.params]
         self.ready, self.launched = [0] * n, [False] * n
         self.active, self.armed = active, sync and len(self.devices) > 1
+        self.closing = sync
         if self.armed and self.overlap:  # the side streams start after what is queued (zeroing, optimizer)
             for d, s in zip(self.devices, self.streams):
                 s.wait_stream(torch.cuda.current_stream(d))
@@ -209,18 +210,20 @@ class GradReducer:
     def finish(self) -> None:
         """After the armed backward: sum what is left, order each card's stream after the sums, and
         take the gradient away from parameters no replica gave one."""
-        if not self.armed:
+        if not self.closing:
             return
-        self.armed = False
-        if self.overlap:
-            for d, s in zip(self.devices, self.streams):
-                s.wait_stream(torch.cuda.current_stream(d))
-        for b, done in enumerate(self.launched):
-            if not done:
-                allreduce_sum([home.flats[b] for home in self.homes], self.devices, self.streams)
-        if self.overlap:
-            for d, s in zip(self.devices, self.streams):
-                torch.cuda.current_stream(d).wait_stream(s)
+        self.closing = False
+        if self.armed:
+            self.armed = False
+            if self.overlap:
+                for d, s in zip(self.devices, self.streams):
+                    s.wait_stream(torch.cuda.current_stream(d))
+            for b, done in enumerate(self.launched):
+                if not done:
+                    allreduce_sum([home.flats[b] for home in self.homes], self.devices, self.streams)
+            if self.overlap:
+                for d, s in zip(self.devices, self.streams):
+                    torch.cuda.current_stream(d).wait_stream(s)
         used = set().union(*self.touched)
         for replica, home in zip(self.params, self.homes):
             for i in home.views:

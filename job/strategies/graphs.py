@@ -1,0 +1,101 @@
+"""CUDA graphs for `balanced`'s replicas (`strategy.cuda_graphs=true`).
+
+One Python process launches every card's kernels. On short steps (deep, narrow LMs) launching them, not
+the GPUs, sets the pace, and threads cannot share that work (one interpreter lock). Captured once as CUDA
+graphs, a replica's forward-with-loss and its backward are one launch each.
+
+What is captured, per card: the replica and the sum of its samples' losses at that card's share of the
+micro-batch, under the run's autocast, forward and backward. What stays eager: a micro-batch of another
+size (a partial last one), evaluation and no-grad calls, the optimizer, the gradient sums and the
+statistics averaging. The backward graph hands its gradients to autograd, which adds them to the
+gradient buckets and runs their hooks: every bucket is summed across the cards after a replica's
+backward, not during it (no overlap; a Python-bound step gains more than it loses).
+
+Capture runs the step three times on a side stream first (cuDNN tuning and lazy start-up must not land
+in a graph); the replica's buffers (BatchNorm statistics) are put back afterwards, so training is the
+eager step's. The graphs keep one micro-step's activations per card in a pool of their own, reserved
+between steps. Anything in the model that needs the CPU mid-step (`.item()`, data-dependent shapes)
+cannot be captured: the run ends with one line saying so.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.autograd.function import once_differentiable
+
+WARMUP = 3  # eager steps before capture
+
+
+class _Replay(torch.autograd.Function):
+    """Autograd's view of a captured step: the forward graph, then the backward graph for its gradient."""
+
+    @staticmethod
+    def forward(ctx, graph: StepGraph, x, y, *params):
+        graph.x.copy_(x)
+        graph.y.copy_(y)
+        graph.fwd.replay()
+        ctx.graph = graph
+        return graph.loss.detach()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        g = ctx.graph
+        g.grad_out.copy_(grad)
+        g.bwd.replay()
+        return (None, None, None, *(t.detach() if t is not None else None for t in g.grads))
+
+
+class StepGraph:
+    """One replica's captured step at one input shape: `run(x, y)` is `loss_fn(replica(x), y, "sum")`."""
+
+    def __init__(self, replica: nn.Module, loss_fn, x: torch.Tensor, y: torch.Tensor, *,
+                 amp: tuple[bool, torch.dtype]):
+        self.replica, self.amp = replica, amp
+        self.params = [p for p in replica.parameters() if p.requires_grad]
+        self.x, self.y = x.clone(), y.clone()
+        dev = x.device
+        enabled, dtype = amp
+
+        def step():
+            with torch.autocast("cuda", dtype=dtype, enabled=enabled, cache_enabled=False):
+                return loss_fn(replica(self.x), self.y, reduction="sum")
+
+        saved = [b.detach().clone() for b in replica.buffers()]
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP):
+                torch.autograd.grad(step(), self.params, allow_unused=True)
+        torch.cuda.synchronize(dev)
+        self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        pool = torch.cuda.graph_pool_handle()
+        # thread_local: other threads (telemetry, DataLoader's pinning thread) may keep using CUDA meanwhile.
+        with torch.cuda.graph(self.fwd, pool=pool, stream=side, capture_error_mode="thread_local"):
+            self.loss = step()
+        self.grad_out = torch.empty_like(self.loss)
+        with torch.cuda.graph(self.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
+            self.grads = torch.autograd.grad(self.loss, self.params, self.grad_out, allow_unused=True)
+        with torch.no_grad():
+            for b, s in zip(replica.buffers(), saved):
+                b.copy_(s)
+        torch.cuda.current_stream(dev).wait_stream(side)
+
+    def matches(self, x: torch.Tensor, y: torch.Tensor, amp: tuple[bool, torch.dtype]) -> bool:
+        return (x.shape == self.x.shape and y.shape == self.y.shape and x.dtype == self.x.dtype
+                and y.dtype == self.y.dtype and amp == self.amp)
+
+    def run(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _Replay.apply(self, x, y, *self.params)
+
+
+def capture(k: int, replica: nn.Module, loss_fn, x, y, *, amp) -> StepGraph:
+    """Replica k's step captured at x/y's shapes; a model that cannot be captured ends the run in one line."""
+    try:
+        with torch.cuda.device(x.device), torch.autocast("cuda", enabled=False):
+            return StepGraph(replica, loss_fn, x, y, amp=amp)
+    except RuntimeError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise RuntimeError(f"balanced: card {k}'s replica could not be captured as a CUDA graph ({first}); "
+                           "run it with strategy.cuda_graphs=false") from e
