@@ -10,6 +10,8 @@ import logging
 
 import torch
 
+from job.strategies import graphs
+
 log = logging.getLogger("job")
 MB = 1024 * 1024
 
@@ -40,8 +42,8 @@ def card_rows(devices: list[torch.device], *, rank: int, plan_cards=None) -> lis
             "name": props.name,
             "uuid": card.uuid if card else f"GPU-{props.uuid}",
             "pci_bus_id": card.pci_bus_id if card else "",
-            "allocated_bytes": torch.cuda.memory_allocated(d),
-            "peak_allocated_bytes": torch.cuda.max_memory_allocated(d),
+            "allocated_bytes": torch.cuda.memory_allocated(d) + graphs.held_bytes(d.index),
+            "peak_allocated_bytes": torch.cuda.max_memory_allocated(d) + graphs.held_bytes(d.index),
             "peak_reserved_bytes": reserved,
             "nvml_used_bytes": mem[0] if mem else None,
             "nvml_total_bytes": mem[1] if mem else None,

@@ -28,7 +28,7 @@ from job.config import summary
 from job.data import probe_batch
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
 from job.models import WORKLOADS, human, param_count
-from job.strategies import REGISTRY
+from job.strategies import REGISTRY, graphs
 from job.strategies import build as build_strategy
 
 log = logging.getLogger("job")
@@ -264,7 +264,8 @@ class Trainer:
 
     def _check_plan(self) -> None:
         """After the first steps: each card's measured peak next to the prediction, logged and cached."""
-        peaks = [torch.cuda.max_memory_allocated(d) if d.type == "cuda" else None for d in self.devices]
+        peaks = [torch.cuda.max_memory_allocated(d) + graphs.held_bytes(d.index) if d.type == "cuda" else None
+                 for d in self.devices]
         # Every process's devices in rank order are the plan's cards in order (one per ddp rank, all of
         # balanced's in its one process).
         measured = [p for per_rank in self.strategy.all_gather_object(peaks) for p in per_rank]

@@ -510,7 +510,7 @@ def test_cuda_graphs_through_the_cli(tmp_path, extra):
     common = ["workload=lm", "workload.layers=4", "workload.d_model=256", "workload.heads=4", "workload.vocab=1024",
               "workload.seq_len=128", "train.batch_size=8", "train.amp=bf16", "train.steps=8", "train.log_every=4",
               "strategy.split=even", f"train.run_dir={tmp_path}", *extra]
-    losses = {}
+    losses, peaks = {}, {}
     for name in ("balanced", "balanced-graphs"):
         p = subprocess.run(job_cmd("train", f"strategy={name}", f"train.run_id={name}", *common), cwd=ROOT,
                            capture_output=True, text=True, timeout=300)
@@ -518,6 +518,10 @@ def test_cuda_graphs_through_the_cli(tmp_path, extra):
         assert ("captured as CUDA graphs" in p.stderr) == (name == "balanced-graphs"), p.stderr[-3000:]
         losses[name] = [json.loads(line)["loss"] for line in
                         (tmp_path / name / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        peaks[name] = max(card["peak_allocated_bytes"] for card in summary["cards"])
     assert len(losses["balanced"]) >= 2, losses
+    # A replay allocates nothing: without the graphs' pools added, the graphed run showed 15 % of the eager peak.
+    assert 0.8 < peaks["balanced-graphs"] / peaks["balanced"] < 1.5, peaks
     torch.testing.assert_close(torch.tensor(losses["balanced-graphs"]), torch.tensor(losses["balanced"]),
                                rtol=2e-2, atol=1e-3)

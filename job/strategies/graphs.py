@@ -20,11 +20,21 @@ cannot be captured: the run ends with one line saying so.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.autograd.function import once_differentiable
 
 WARMUP = 3  # eager steps before capture
+_held: dict[int, int] = {}  # card index -> bytes its graphs' pools hold beyond live tensors
+
+
+def held_bytes(index: int | None) -> int:
+    """Memory on card `index` that captured graphs keep in their own pools for activations. torch's
+    allocated counters do not see it (a replay allocates nothing): wherever this project reports allocated
+    or peak allocated memory, it adds this, so a graphed run is not shown using less than it holds."""
+    return _held.get(index or 0, 0)
 
 
 class _Replay(torch.autograd.Function):
@@ -81,6 +91,10 @@ class StepGraph:
             for b, s in zip(replica.buffers(), saved):
                 b.copy_(s)
         torch.cuda.current_stream(dev).wait_stream(side)
+        segments = [seg for seg in torch.cuda.memory_snapshot()
+                    if tuple(seg.get("segment_pool_id", ())) == tuple(pool) and seg.get("device") == dev.index]
+        self.held = sum(seg["total_size"] - seg["allocated_size"] for seg in segments)
+        _held[dev.index] = _held.get(dev.index, 0) + self.held
 
     def matches(self, x: torch.Tensor, y: torch.Tensor, amp: tuple[bool, torch.dtype]) -> bool:
         return (x.shape == self.x.shape and y.shape == self.y.shape and x.dtype == self.x.dtype
@@ -93,7 +107,10 @@ class StepGraph:
 def capture(k: int, replica: nn.Module, loss_fn, x, y, *, amp) -> StepGraph:
     """Replica k's step captured at x/y's shapes; a model that cannot be captured ends the run in one line."""
     try:
-        with torch.cuda.device(x.device), torch.autocast("cuda", enabled=False):
+        with torch.cuda.device(x.device), torch.autocast("cuda", enabled=False), warnings.catch_warnings():
+            # Capture runs on a side stream, so autograd warns once that gradients meet the parameters'
+            # accumulators (made on the card's main stream) on another stream; replays run on the main one.
+            warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
             return StepGraph(replica, loss_fn, x, y, amp=amp)
     except RuntimeError as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]

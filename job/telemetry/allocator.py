@@ -27,9 +27,12 @@ class TorchAllocator:
 
     def read(self, index: int) -> tuple[int, int, int]:
         """(allocated, reserved, peak allocated) bytes."""
+        from job.strategies.graphs import held_bytes  # memory in CUDA graphs' pools, unseen by the counters
+
         s = self._stats(index)
-        return (int(s.get("allocated_bytes.all.current", 0)), int(s.get("reserved_bytes.all.current", 0)),
-                int(s.get("allocated_bytes.all.peak", 0)))
+        held = held_bytes(index)
+        return (int(s.get("allocated_bytes.all.current", 0)) + held, int(s.get("reserved_bytes.all.current", 0)),
+                int(s.get("allocated_bytes.all.peak", 0)) + held)
 
 
 class AllocatorCollector:
