@@ -87,6 +87,9 @@ class StepGraph:
         self.grad_out = torch.empty_like(self.loss)
         with torch.cuda.graph(self.bwd, pool=pool, stream=side, capture_error_mode="thread_local"):
             self.grads = torch.autograd.grad(self.loss, self.params, self.grad_out, allow_unused=True)
+        # The captured autograd graph must go: it holds the parameters' gradient accumulators made on the
+        # side stream, and replays would then hand every gradient across streams (a sync each).
+        self.loss = self.loss.detach()
         with torch.no_grad():
             for b, s in zip(replica.buffers(), saved):
                 b.copy_(s)
@@ -108,8 +111,8 @@ def capture(k: int, replica: nn.Module, loss_fn, x, y, *, amp) -> StepGraph:
     """Replica k's step captured at x/y's shapes; a model that cannot be captured ends the run in one line."""
     try:
         with torch.cuda.device(x.device), torch.autocast("cuda", enabled=False), warnings.catch_warnings():
-            # Capture runs on a side stream, so autograd warns once that gradients meet the parameters'
-            # accumulators (made on the card's main stream) on another stream; replays run on the main one.
+            # Warm-up and capture run on a side stream: gradients meet accumulators made on the card's main
+            # stream (autograd warns once); replays run on the main stream.
             warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
             return StepGraph(replica, loss_fn, x, y, amp=amp)
     except RuntimeError as e:
