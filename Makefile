@@ -13,7 +13,7 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 help: ## List the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sort -u | \
 	  awk 'BEGIN {FS = ":.*## "}; {printf "  make %-14s %s\n", $$1, $$2}'
-	@echo "  variables: STRATEGY=<dp|balanced|ddp|fsdp|accum> ARGS='key=value ...'"
+	@echo "  variables: STRATEGY=<dp|balanced|balanced-graphs|ddp|fsdp|accum> ARGS='key=value ...'"
 
 $(VENV)/.stamp-setup: pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -455,6 +455,27 @@ def test_cuda_graphs_refusals(tmp_path, args, line):
     assert not any(tmp_path.iterdir())
 
 
+def test_a_failed_capture_is_one_line_and_out_of_memory_stays_out_of_memory():
+    from job import failure
+    from job.strategies.graphs import capture_error
+
+    err = capture_error(1, RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore"))
+    line, code = failure.describe(err)
+    assert line.startswith("RuntimeError: balanced: card 1's replica could not be captured as a CUDA graph "
+                           "(CUDA error: operation not permitted when stream is capturing); run it with "
+                           "strategy.cuda_graphs=false"), line
+    assert code == 1
+    try:  # the aborted capture's error arrives last, with the out-of-memory error as its context
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        except torch.OutOfMemoryError:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")  # noqa: B904
+    except RuntimeError as e:
+        masked = e
+    line, _ = failure.describe(capture_error(0, masked))
+    assert line.startswith("CUDA out of memory. Tried to allocate 2.00 GiB;"), line
+
+
 @requires_gpus(1)
 @pytest.mark.gpu
 @pytest.mark.parametrize("cards", [1, 2])

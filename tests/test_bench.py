@@ -200,7 +200,7 @@ def test_sigterm_stops_the_current_run_and_writes_what_was_measured(tmp_path):
     (["bench.workloads=[tiny,gpt5]"], "unknown workload `gpt5` in bench.workloads"),
     (["bench.scrape_interval_s=0"], "bench.scrape_interval_s=0.0 must be positive"),
     (["bench.stepz=3"], "did you mean `bench.steps`?"),
-    (["strategies=[dp,nosuch]"], "unknown strategy `nosuch` in bench.strategies; choose from: accum, balanced, ddp, dp, fsdp"),
+    (["strategies=[dp,nosuch]"], "unknown strategy `nosuch` in bench.strategies; choose from: accum, balanced, balanced-graphs, ddp, dp, fsdp"),
     (["bench.baseline=nosuch"], "unknown strategy `nosuch` in bench.baseline"),
     (["bench.repeats=0"], "bench.repeats=0 must be at least 1"),
     (["bench.mode=fastest"], "`bench.mode=fastest` is not valid; choose one of: compare, maxbatch, profile"),

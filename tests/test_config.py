@@ -14,7 +14,7 @@ from job.strategies import REGISTRY
 
 def test_registry_is_pinned():
     assert sorted(REGISTRY) == ["balanced", "ddp", "dp", "fsdp"]
-    assert config.preset_names("strategy") == ["accum", "balanced", "ddp", "dp", "fsdp"]
+    assert config.preset_names("strategy") == ["accum", "balanced", "balanced-graphs", "ddp", "dp", "fsdp"]
     assert config.preset_names("workload") == ["lm", "resnet50", "tiny"]
 
 
@@ -66,7 +66,7 @@ BAD = [
     (["strategy.gpu0_bs=3"], "unknown key `strategy.gpu0_bs` in command line; did you mean `strategy.gpu0_batch`?"),
     (["train.batch_sise=3"], "did you mean `train.batch_size`"),
     (["train.steps=many"], "`train.steps`"),
-    (["strategy=zero3"], "unknown strategy `zero3`; choose one of: accum, balanced, ddp, dp, fsdp"),
+    (["strategy=zero3"], "unknown strategy `zero3`; choose one of: accum, balanced, balanced-graphs, ddp, dp, fsdp"),
     (["strategy.name=zero3"], "unknown strategy `zero3`; choose one of: balanced, ddp, dp, fsdp"),
     (["workload=gpt5"], "unknown workload `gpt5`; choose one of: lm, resnet50, tiny"),
     (["train.batch_size=250", "train.accum_steps=64"], "global batch 250 is not a multiple of train.accum_steps=64"),

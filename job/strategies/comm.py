@@ -208,8 +208,8 @@ class GradReducer:
         allreduce_sum([home.flats[b] for home in self.homes], self.devices, self.streams)
 
     def finish(self) -> None:
-        """After the armed backward: sum what is left, order each card's stream after the sums, and
-        take the gradient away from parameters no replica gave one."""
+        """After the last micro-step's backward: sum what is left (several cards), order each card's
+        stream after the sums, and take the gradient away from parameters no replica gave one."""
         if not self.closing:
             return
         self.closing = False

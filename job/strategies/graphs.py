@@ -116,6 +116,21 @@ def capture(k: int, replica: nn.Module, loss_fn, x, y, *, amp) -> StepGraph:
             warnings.filterwarnings("ignore", message="The AccumulateGrad node's stream does not match")
             return StepGraph(replica, loss_fn, x, y, amp=amp)
     except RuntimeError as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise RuntimeError(f"balanced: card {k}'s replica could not be captured as a CUDA graph ({first}); "
-                           "run it with strategy.cuda_graphs=false") from e
+        err = capture_error(k, e)
+        if isinstance(err, torch.OutOfMemoryError):
+            raise err from None
+        raise err from e
+
+
+def capture_error(k: int, e: RuntimeError) -> BaseException:
+    """What a failed capture of card k's step ends the run with: out of memory stays out of memory (the
+    trainer's line and advice), even when the aborted capture's own error came last; anything else is
+    one line naming the card and the switch."""
+    cause: BaseException | None = e
+    while cause is not None:
+        if isinstance(cause, torch.OutOfMemoryError):
+            return cause
+        cause = cause.__context__
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return RuntimeError(f"balanced: card {k}'s replica could not be captured as a CUDA graph ({first}); "
+                        "run it with strategy.cuda_graphs=false")
