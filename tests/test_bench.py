@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, job_cmd, requires_gpus
 
+from job.bench.environment import code_fingerprint
+
 try:  # a test dependency (pyproject [test]); the GPU machine may run the GPU test without it
     import jsonschema
 except ImportError:  # pragma: no cover
@@ -95,6 +97,7 @@ def test_bench_tiny_end_to_end(tmp_path):
     env = doc["environment"]
     assert env["torch"] and env["command"].startswith("python -m job bench ") and env["gpus"] == []
     assert env["commit"] is None or len(env["commit"]) == 40
+    assert env["code"] == code_fingerprint(ROOT) and f"code {env['code']}" in lines[2]
     assert "torchvision" in env and "nccl" in env
     w = doc["workloads"][0]
     assert (w["workload"], w["unit"], w["global_batch"], w["cards"]) == ("tiny", "img", 16, 2)
@@ -278,7 +281,7 @@ def _env() -> dict:
             "nccl": "2.27.3", "torchvision": "0.29.1", "driver": "570.1", "cuda_driver": "12.8",
             "gpu_model": "NVIDIA H200", "gpus": [{"name": "NVIDIA H200", "uuid": "GPU-1", "pci_bus_id": "00000000:18:00.0",
                                                    "memory_total_bytes": 150 * 1024**3}],
-            "cuda_visible_devices": None, "commit": "0" * 40, "commit_dirty": False}
+            "cuda_visible_devices": None, "commit": "0" * 40, "commit_dirty": False, "code": "0123456789ab"}
 
 
 def _settings(**kw) -> dict:
@@ -319,7 +322,8 @@ def test_gpu_shaped_results_table_and_chart(tmp_path):
     assert lines[0] == ("== bench lm: global batch 16, 2 GPU(s), 10 warm-up + 50 timed steps, 2 repeat(s) "
                         "(order rotated each repeat)")
     assert lines[1].startswith("per-card peaks over the timed steps 11-60")
-    assert lines[2] == "torch 2.14.1, CUDA 12.8, cuDNN 91000, NCCL 2.27.3, driver 570.1; commit 000000000000"
+    assert lines[2] == ("torch 2.14.1, CUDA 12.8, cuDNN 91000, NCCL 2.27.3, driver 570.1; commit 000000000000, "
+                        "code 0123456789ab")
     assert lines[3] == "tenant: another process (pid 1234) held 80 GB on cuda:0 during every run"
     dp = next(x for x in lines if x.startswith("dp "))
     # per card: median (min-max) of the 2 repeats in MB; equal values once; busiest/least; tok/s; scaling
@@ -741,3 +745,23 @@ def test_profile_dp_on_two_gpus(tmp_path):
         assert phases[name]["calls"] == 3 and phases[name]["ms_per_step"] > 0, name
     assert prof["sort_by"] == "self_cuda_ms" and prof["top_ops"][0]["self_cuda_ms"] > 0
     assert "replicate" in (out / "profile-lm-dp.txt").read_text()
+
+
+def test_code_fingerprint_names_the_code_and_git_commit_names_a_copy(tmp_path, monkeypatch):
+    """A copy whose .git is stale still names its code: the fingerprint follows every .py/.yaml under job/
+    (not caches, not other files), and GIT_COMMIT, when set, is the commit the result records."""
+    from job.bench import environment
+
+    (tmp_path / "job" / "conf").mkdir(parents=True)
+    (tmp_path / "job" / "a.py").write_text("x = 1\n")
+    (tmp_path / "job" / "conf" / "base.yaml").write_text("train: {}\n")
+    first = code_fingerprint(tmp_path)
+    assert len(first) == 12 and first == code_fingerprint(tmp_path)
+    (tmp_path / "job" / "__pycache__").mkdir()
+    (tmp_path / "job" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    (tmp_path / "job" / "notes.txt").write_text("ignored")
+    assert code_fingerprint(tmp_path) == first
+    (tmp_path / "job" / "conf" / "base.yaml").write_text("train: {steps: 2}\n")
+    assert code_fingerprint(tmp_path) != first
+    monkeypatch.setenv("GIT_COMMIT", "a" * 40)
+    assert environment._git_commit() == ("a" * 40, None)

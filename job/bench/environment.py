@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: job/bench/ is two fo
 
 
 def _git_commit() -> tuple[str | None, bool | None]:
+    if os.environ.get("GIT_COMMIT"):  # named by whoever copied the tree (its .git may be missing or stale)
+        return os.environ["GIT_COMMIT"], None
     git = shutil.which("git")
     if git and (ROOT / ".git").exists():
         try:
@@ -28,7 +30,22 @@ def _git_commit() -> tuple[str | None, bool | None]:
             return head, bool(dirty)
         except (subprocess.SubprocessError, OSError):
             pass
-    return os.environ.get("GIT_COMMIT") or None, None  # an image or copy without .git: set GIT_COMMIT
+    return None, None
+
+
+def code_fingerprint(root: Path = ROOT) -> str:
+    """The first 12 hex digits of a sha256 over the package's source (every .py and .yaml under job/, by
+    relative path and content): it names the code a result came from even where git cannot (a copy of the
+    tree whose .git is stale or missing). A checkout's own: `python -c "from job.bench.environment import
+    code_fingerprint; print(code_fingerprint())"`."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    files = sorted(p for p in (root / "job").rglob("*") if p.suffix in (".py", ".yaml") and p.is_file()
+                   and "__pycache__" not in p.parts)
+    for p in files:
+        digest.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
 
 
 def _driver() -> tuple[str | None, str | None]:
@@ -109,6 +126,7 @@ def environment(results: list[dict]) -> dict[str, Any]:
         "driver": driver, "cuda_driver": cuda_driver,
         "gpu_model": ", ".join(sorted({g["name"] for g in gpu_list})) or None, "gpus": gpu_list,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "commit": commit, "commit_dirty": dirty,
+        "code": code_fingerprint(),
     }
 
 
@@ -122,4 +140,5 @@ def versions(env: dict) -> str:
     commit = env["commit"][:12] if env.get("commit") else "unknown commit (no .git; set GIT_COMMIT)"
     if env.get("commit_dirty"):
         commit += " + uncommitted changes"
-    return ", ".join(parts) + f"; commit {commit}"
+    code = f", code {env['code']}" if env.get("code") else ""
+    return ", ".join(parts) + f"; commit {commit}{code}"

@@ -139,6 +139,7 @@ ENV_SCHEMA = _obj({
     "driver": _nullable(_STR), "cuda_driver": _nullable(_STR), "gpu_model": _nullable(_STR),
     "gpus": _array(_obj({"name": _STR, "uuid": _STR, "pci_bus_id": _STR, "memory_total_bytes": _nullable(_INT)})),
     "cuda_visible_devices": _nullable(_STR), "commit": _nullable(_STR), "commit_dirty": _nullable(_BOOL),
+    "code": _STR,
 })
 RESULT_SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
