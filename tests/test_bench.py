@@ -212,6 +212,8 @@ def test_sigterm_stops_the_current_run_and_writes_what_was_measured(tmp_path):
     (["bench.maxbatch_precision=1.5"], "bench.maxbatch_precision=1.5 must be in [0, 1)"),
     (["train.device=cpu", "bench.tenant_gb=2"], "bench.tenant_gb=2 holds memory on a CUDA card, and none is visible"),
     (["workload=lm", "bench.imagefolder=true"], "bench.imagefolder=true needs an image workload"),
+    (["strategies=[balanced-graphs]", "train.device=cpu"], "no strategy in bench.strategies can run with these "
+     "settings (balanced-graphs: strategy.cuda_graphs=true needs CUDA cards, and train.device=cpu"),
     (["bench.mode=maxbatch", "bench.maxbatch_key=train.lr"],
      "bench.maxbatch_key=train.lr cannot be searched; choose one of: train.batch_size, workload.layers"),
     (["bench.mode=maxbatch", "bench.maxbatch_key=workload.layers", "workload=tiny"],
@@ -223,6 +225,7 @@ def test_bad_bench_input_is_one_line_exit_2(capsys, tmp_path, args, message):
     assert main(["bench", f"bench.out={tmp_path / 'x'}", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+    assert not (tmp_path / "x").exists()  # refused before anything is written
     assert not (tmp_path / "x").exists()  # nothing started
 
 

@@ -122,8 +122,8 @@ class Bench:
 
     # -- building the command of one run ----------------------------------------------------
     def _args(self, workload: str, strategy: str, run_id: str, extra: list[str], *, warmup: int,
-              steps: int) -> list[str]:
-        args = ["--config", str(self.out / "overrides.yaml"), f"workload={workload}", _strategy_arg(strategy),
+              steps: int, overrides: Path | None = None) -> list[str]:
+        args = ["--config", str(overrides or self.out / "overrides.yaml"), f"workload={workload}", _strategy_arg(strategy),
                 f"train.steps={warmup + steps}", f"train.timing_warmup={warmup}",
                 f"train.log_every={warmup}", "train.checkpoint_every=0", "train.final_checkpoint=false",
                 "train.resume=never",
@@ -263,6 +263,20 @@ class Bench:
             row["window_note"] = (f"peaks cover steps after {window[0]} to {window[1]}, not the timed steps "
                                   f"{warmup + 1}-{total}" if window else "the run did not record its peak window")
 
+    def _refuse_if_nothing_runs(self, overrides: Path) -> None:
+        """A run the trainer would refuse is skipped with its reason; when that is every strategy of every
+        workload, the bench would measure nothing: one line, exit 2, before anything is written."""
+        reasons = []
+        for w in self.workloads:
+            for name in self.b.strategies:
+                try:
+                    config_mod.load(self._args(w, name, "check", [], warmup=self.b.warmup, steps=self.b.steps,
+                                               overrides=overrides))
+                except UsageError as e:
+                    reasons.append(f"{name}: {e}")
+        if reasons and len(reasons) == len(self.workloads) * len(self.b.strategies):
+            raise UsageError(f"no strategy in bench.strategies can run with these settings ({reasons[0]})")
+
     def run(self) -> int:
         from omegaconf import OmegaConf
 
@@ -272,6 +286,7 @@ class Bench:
             (Path(tmp) / "overrides.yaml").write_text(overrides_yaml)
             for w in self.workloads:
                 config_mod.load(["--config", str(Path(tmp) / "overrides.yaml"), f"workload={w}"])
+            self._refuse_if_nothing_runs(Path(tmp) / "overrides.yaml")
         if any(k in os.environ for k in GROUP_VARS):
             log.warning("bench: %s are set but ignored: each run starts its own ranks on this node",
                         "/".join(k for k in GROUP_VARS if k in os.environ))
