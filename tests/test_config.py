@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 from conftest import ROOT, job_cmd
@@ -145,3 +146,18 @@ def test_help_lists_every_key():
     for key in config.all_keys():
         assert f"{key}=" in p.stdout, key
     assert "Global batch per optimizer step" in p.stdout
+
+
+def test_the_names_config_checks_are_the_registered_ones():
+    """config.load checks strategy and workload names without importing torch; they must be the registries'."""
+    from job.models import WORKLOADS
+
+    assert config.STRATEGY_NAMES == tuple(sorted(REGISTRY)), "add the new strategy to config.STRATEGY_NAMES"
+    assert config.WORKLOAD_NAMES == tuple(sorted(WORKLOADS)), "add the new workload to config.WORKLOAD_NAMES"
+
+
+def test_loading_a_config_does_not_import_torch():
+    code = ("import sys; from job import config; config.load(['strategy=balanced', 'workload=lm']); "
+            "print('torch' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "False", p.stdout + p.stderr
