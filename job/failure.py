@@ -77,7 +77,8 @@ def describe(exc: BaseException) -> tuple[str, int]:
             isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):  # the CPU allocator's
         # torch's message: what was asked, the card's size and free memory, who holds it; then allocator advice.
         first = re.split(r"\.\s+(?=Of the allocated|If reserved|See documentation)", _first_line(exc))[0]
-        return f"{(first or 'out of memory').rstrip('.')}; {OOM_FIX}", EXIT_CRASH
+        where = getattr(exc, "job_context", "")  # what the job was doing, set where it knows (graph capture)
+        return f"{(first or 'out of memory').rstrip('.')}{' ' + where if where else ''}; {OOM_FIX}", EXIT_CRASH
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted (Ctrl-C); the last checkpoint written, if any, is kept", EXIT_CTRL_C
     if isinstance(exc, SystemExit):

@@ -129,6 +129,8 @@ def capture_error(k: int, e: RuntimeError) -> BaseException:
     cause: BaseException | None = e
     while cause is not None:
         if isinstance(cause, torch.OutOfMemoryError):
+            cause.job_context = (f"while capturing card {k}'s step as CUDA graphs (they keep one micro-step's "
+                                 "activations reserved: strategy.cuda_graphs=false needs less)")
             return cause
         cause = cause.__context__
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
