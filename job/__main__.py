@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if command == "bench":
             from job.bench import run as bench_run
 
-            return bench_run(cfg)
+            return bench_run(cfg, config.preset_picks(rest).get("workload"))
         from job.train import run
 
         return run(cfg)

@@ -441,22 +441,8 @@ def load(argv: list[str]):
     from omegaconf import OmegaConf
 
     config_file, overrides, _ = split_args(argv)
-
-    picks: dict[str, str] = {}
-    dotlist = []
-    for item in overrides:
-        key, value = item.split("=", 1)
-        key = ALIASES.get(key, key)
-        if key in ("strategy", "workload"):
-            picks[key] = value
-        else:
-            dotlist.append(f"{key}={value}")
-
     user_file = _read_yaml(config_file, "--config file") if config_file else OmegaConf.create({})
-    for kind in ("strategy", "workload"):  # a plain string at the top of the file picks a preset too
-        if isinstance(user_file.get(kind), str):
-            picks.setdefault(kind, user_file[kind])
-            user_file.pop(kind)
+    picks, dotlist = _picks(overrides, user_file)
 
     cfg = OmegaConf.structured(Config)
     cfg = _merge(cfg, _read_yaml(CONF_DIR / "base.yaml", "preset"), "conf/base.yaml")
@@ -472,6 +458,35 @@ def load(argv: list[str]):
         cfg.train.amp = "off"
     validate(cfg)
     return cfg
+
+
+def _picks(overrides: list[str], user_file) -> tuple[dict[str, str], list[str]]:
+    """The presets picked ({"strategy"|"workload": name}: `workload=lm-24x384` on the command line, else a
+    plain string at the top of the --config file, which is taken out of it) and the other overrides."""
+    picks: dict[str, str] = {}
+    dotlist = []
+    for item in overrides:
+        key, value = item.split("=", 1)
+        key = ALIASES.get(key, key)
+        if key in ("strategy", "workload"):
+            picks[key] = value
+        else:
+            dotlist.append(f"{key}={value}")
+    for kind in ("strategy", "workload"):
+        if isinstance(user_file.get(kind), str):
+            picks.setdefault(kind, user_file[kind])
+            user_file.pop(kind)
+    return picks, dotlist
+
+
+def preset_picks(argv: list[str]) -> dict[str, str]:
+    """The presets argv picks by name (see `_picks`); a kind it does not pick is absent. The config itself
+    records only what a preset sets (`workload.name` is `lm` for every lm preset)."""
+    from omegaconf import OmegaConf
+
+    config_file, overrides, _ = split_args(argv)
+    user_file = _read_yaml(config_file, "--config file") if config_file else OmegaConf.create({})
+    return _picks(overrides, user_file)[0]
 
 
 def _parse_dotlist(cfg, dotlist: list[str]):

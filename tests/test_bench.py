@@ -235,6 +235,33 @@ def test_overrides_are_what_the_user_changed_against_the_workload_preset():
     # train.batch_size=16 is lm's preset value: not an override. Bench keys and picks are not passed on.
     assert bench.user_overrides(cfg) == {"train.amp": "bf16", "workload.layers": 2}
     assert bench.user_overrides(load(["workload=resnet50"])) == {}
+    # Against the preset the command line picked, not the lm preset every lm shape shares a name with.
+    assert bench.user_overrides(load(["workload=lm-24x384", "workload.seq_len=64"]), "lm-24x384") == {
+        "workload.seq_len": 64}
+
+
+def test_a_workload_preset_is_its_own_table(tmp_path):
+    """`workload=lm-24x384` (a preset of the lm model): the table, bench.json and the run ids name the preset,
+    every run starts from it, and what the command line changes on top of it is all that is passed on."""
+    from job.__main__ import main
+
+    out = tmp_path / "b"
+    args = ["workload=lm-24x384", "workload.layers=1", "workload.seq_len=16", "train.device=cpu",
+            "strategies=[ddp]", "bench.baseline=none", "bench.repeats=1", "bench.warmup=1", "bench.steps=2"]
+    b = bench.Bench(load(args), "lm-24x384")
+    assert (b.workloads, b.kinds) == (["lm-24x384"], {"lm-24x384": "lm"})
+    assert b.overrides == {"workload.layers": 1, "workload.seq_len": 16, "train.device": "cpu"}
+    assert main(["bench", *args, f"bench.out={out}"]) == 0
+    doc = json.loads((out / "bench.json").read_text())
+    validate(doc)
+    (w,) = doc["workloads"]
+    assert (w["workload"], w["unit"], w["global_batch"], w["units_per_sample"]) == ("lm-24x384", "tok", 32, 16)
+    (run,) = w["runs"]
+    assert run["status"] == "ok" and "workload=lm-24x384" in run["command"], run
+    assert Path(run["run_dir"]).name == "lm-24x384-ddp-r1"
+    config_yaml = (Path(run["run_dir"]) / "config.yaml").read_text()
+    for line in ("layers: 1", "d_model: 384", "vocab: 8192", "seq_len: 16", "batch_size: 32"):
+        assert line in config_yaml, line
 
 
 def test_timed_throughput_uses_the_logged_window():

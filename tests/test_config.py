@@ -16,7 +16,26 @@ from job.strategies import REGISTRY
 def test_registry_is_pinned():
     assert sorted(REGISTRY) == ["balanced", "ddp", "dp", "fsdp"]
     assert config.preset_names("strategy") == ["accum", "balanced", "balanced-graphs", "ddp", "dp", "fsdp"]
-    assert config.preset_names("workload") == ["lm", "resnet50", "tiny"]
+    assert config.preset_names("workload") == ["lm", "lm-12x512", "lm-1b3", "lm-24x384", "resnet50", "tiny"]
+
+
+def test_workload_presets_of_one_model_and_which_preset_a_command_picked(tmp_path):
+    shapes = {"lm-12x512": (12, 512, 8, 32000, 512, 24), "lm-24x384": (24, 384, 6, 8192, 512, 32),
+              "lm-1b3": (24, 2048, 16, 50304, 1024, 8)}
+    for preset, shape in shapes.items():
+        cfg = config.load([f"workload={preset}", "train.amp=bf16"])
+        w = cfg.workload
+        assert w.name == "lm" and (w.layers, w.d_model, w.heads, w.vocab, w.seq_len, cfg.train.batch_size) == shape
+        assert w.d_model % w.heads == 0 and cfg.train.optimizer == "adamw"
+    assert config.load(["workload=lm-1b3"]).train.activation_checkpointing
+    # The config records what a preset sets (workload.name is lm), not its name: the picks say which one.
+    assert config.preset_picks(["workload=lm-24x384", "strategy=ddp", "train.steps=3"]) == {
+        "workload": "lm-24x384", "strategy": "ddp"}
+    assert config.preset_picks(["train.steps=3"]) == {}
+    f = tmp_path / "c.yaml"
+    f.write_text("workload: lm-12x512\ntrain:\n  steps: 3\n")
+    assert config.preset_picks(["--config", str(f)]) == {"workload": "lm-12x512"}
+    assert config.preset_picks(["--config", str(f), "workload=lm"]) == {"workload": "lm"}  # command line wins
 
 
 def test_precedence_schema_base_presets_file_cli(tmp_path):
@@ -69,7 +88,7 @@ BAD = [
     (["train.steps=many"], "`train.steps`"),
     (["strategy=zero3"], "unknown strategy `zero3`; choose one of: accum, balanced, balanced-graphs, ddp, dp, fsdp"),
     (["strategy.name=zero3"], "unknown strategy `zero3`; choose one of: balanced, ddp, dp, fsdp"),
-    (["workload=gpt5"], "unknown workload `gpt5`; choose one of: lm, resnet50, tiny"),
+    (["workload=gpt5"], "unknown workload `gpt5`; choose one of: lm, lm-12x512, lm-1b3, lm-24x384, resnet50, tiny"),
     (["train.batch_size=250", "train.accum_steps=64"], "global batch 250 is not a multiple of train.accum_steps=64"),
     (["train.amp=fp8"], "`train.amp=fp8` is not valid; choose one of: off, bf16, fp16"),
     (["data.kind=imagefolder", "data.path=/does/not/exist"], "data.path `/does/not/exist` is not a folder"),

@@ -75,9 +75,10 @@ from job.bench.table import table
 from job.bench.tenant import Tenant
 
 
-def run(cfg) -> int:
-    """`python -m job bench`: returns 0 (all runs ok), 1 (a run failed), 75 (interrupted)."""
-    return Bench(cfg).run()
+def run(cfg, workload: str | None = None) -> int:
+    """`python -m job bench`: returns 0 (all runs ok), 1 (a run failed), 75 (interrupted). `workload` is the
+    workload preset the command line picked (`workload=lm-24x384`), the default when bench.workloads is empty."""
+    return Bench(cfg, workload).run()
 
 
 __all__ = ["RESULT_SCHEMA", "SCHEMA_ID", "Bench", "Tenant", "batch_rule", "classify_trial", "compare", "comparisons",

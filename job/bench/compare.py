@@ -152,7 +152,7 @@ def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
     from job.models import WORKLOADS
 
     ref_cfg = bench.ref_cfg(workload)
-    spec = WORKLOADS[workload]
+    spec = WORKLOADS[ref_cfg.workload.name]
     global_batch = int(ref_cfg.train.batch_size)
     n = bench.cards
     label = "1gpu" if bench.cuda else "1proc"

@@ -187,7 +187,7 @@ def workload_result(workload: str, ref_cfg, *, cards: int, runs: list[dict], sum
     starts from it. The fields of the other modes stay empty (summary, comparisons) or None."""
     from job.models import WORKLOADS
 
-    spec = WORKLOADS[workload]
+    spec = WORKLOADS[ref_cfg.workload.name]
     return {"workload": workload, "unit": spec.unit, "units_per_sample": spec.units_per_sample(ref_cfg.workload),
             "global_batch": int(ref_cfg.train.batch_size), "cards": cards, "runs": runs,
             "summary": summary or [], "comparisons": comparisons or [], "telemetry_overhead": telemetry_overhead,

@@ -84,25 +84,28 @@ class _Scraper(threading.Thread):
 class Bench:
     """One `python -m job bench`: its settings, output folder and cards, the run in progress, the failures."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, workload: str | None = None):
         self.cfg, self.b = cfg, cfg.bench
         _check(self.b)
-        self.overrides = user_overrides(cfg)
+        preset = workload or cfg.workload.name  # the preset the command line picked, or the config's workload
+        self.overrides = user_overrides(cfg, preset)
         self.cuda = self._cuda_count()
         self.device = "cuda" if self.cuda else "cpu"
         # Without GPUs, processes stand in for cards: the ddp process count (the user's, else cpu_procs).
         self.cards = self.cuda or int(self.overrides.get("strategy.nprocs") or self.b.cpu_procs)
-        self.workloads = list(self.b.workloads) or [cfg.workload.name]
+        self.workloads = list(self.b.workloads) or [preset]  # workload presets, one table each
+        # The registered workload each preset builds (lm-24x384 is an lm).
+        self.kinds = {w: config_mod.load([f"workload={w}"]).workload.name for w in self.workloads}
         if self.b.tenant_gb and not self.cuda:
             raise UsageError(f"bench.tenant_gb={self.b.tenant_gb:g} holds memory on a CUDA card, and none is "
                              "visible; drop bench.tenant_gb or run where a GPU is")
         if self.b.imagefolder and self.b.mode == "compare":
             from job.models import WORKLOADS
 
-            if not any(WORKLOADS[w].is_image for w in self.workloads):
+            if not any(WORKLOADS[self.kinds[w]].is_image for w in self.workloads):
                 raise UsageError(f"bench.imagefolder=true needs an image workload, and bench.workloads is "
                                  f"{self.workloads}; add resnet50 (GPU) or tiny (CPU)")
-        if self.b.mode == "maxbatch" and self.b.maxbatch_key == "workload.layers" and set(self.workloads) != {"lm"}:
+        if self.b.mode == "maxbatch" and self.b.maxbatch_key == "workload.layers" and set(self.kinds.values()) != {"lm"}:
             raise UsageError(f"bench.maxbatch_key=workload.layers searches the depth of the lm, and the workloads "
                              f"are {self.workloads}; use workload=lm (its width: workload.d_model)")
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")

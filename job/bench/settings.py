@@ -35,15 +35,16 @@ def _flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def user_overrides(cfg) -> dict[str, Any]:
-    """What the command line and --config changed against the workload's preset: {dotted key: value}.
+def user_overrides(cfg, preset: str | None = None) -> dict[str, Any]:
+    """What the command line and --config changed against the workload's preset (`preset`, default the
+    preset named like the config's workload): {dotted key: value}.
 
     These go to every run (every maxbatch trial too). The bench's own keys, the strategy/workload
     picks and bench.* do not.
     """
     from omegaconf import OmegaConf
 
-    base = config_mod.load([f"workload={cfg.workload.name}"])
+    base = config_mod.load([f"workload={preset or cfg.workload.name}"])
     have = _flatten(OmegaConf.to_container(cfg, resolve=True))
     ref = _flatten(OmegaConf.to_container(base, resolve=True))
     return {k: v for k, v in have.items()
