@@ -138,7 +138,8 @@ class TrainCfg:
     log_every: int = 20
     """Print a progress line every N steps."""
     timing_warmup: int = -1
-    """Steps left out of the final throughput (-1: min(10, a tenth of the run))."""
+    """Steps left out of the final throughput and the per-card peaks (-1: min(10, a tenth of the run)); a run
+    of no more steps than this reports no throughput."""
 
 
 @dataclass

@@ -73,10 +73,12 @@ def card_line(step: int, rows: list[dict]) -> str:
     return " | ".join(parts)
 
 
-def table(rows: list[dict], *, throughput: float, unit: str, title: str) -> str:
+def table(rows: list[dict], *, throughput: float | str, unit: str, title: str) -> str:
+    """The per-card table; `throughput` in units/s, or a string saying why there is none."""
+    rate = f"{throughput:,.1f} {unit}/s" if not isinstance(throughput, str) else throughput
     if not rows:
         return (f"{title}\nno CUDA cards visible: this run trained on the CPU, so there is no per-card memory "
-                f"to show.\nthroughput: {throughput:,.1f} {unit}/s")
+                f"to show.\nthroughput: {rate}")
     peak_max = max(r["peak_allocated_bytes"] for r in rows) or 1
     head = ["rank", "device", "name", "uuid", "samples", "peak alloc MB", "predicted MB", "peak reserved MB",
             "headroom MB", "nvml used/total MB", "share of busiest"]
@@ -99,5 +101,5 @@ def table(rows: list[dict], *, throughput: float, unit: str, title: str) -> str:
     lines += [fmt.format(*b) for b in body]
     ratio = imbalance(rows)
     lines.append(f"busiest/least busy card (peak allocated): {ratio:.2f}x" if ratio else "single card")
-    lines.append(f"throughput: {throughput:,.1f} {unit}/s")
+    lines.append(f"throughput: {rate}")
     return "\n".join(lines)

@@ -223,6 +223,7 @@ class Trainer:
             raise
         self.batches = _batches(self)
         self.clock = _Clock()
+        self.peaks_from = 0  # the per-card peaks cover the steps after this one (set by the loop)
         report.card_rows(self.devices, rank=env.rank)  # NVML start-up and card mapping, before any timing
         self.telemetry = None
         if cfg.telemetry.port:
@@ -404,12 +405,17 @@ class Trainer:
         card_every = self.cfg.telemetry.log_every or t.log_every
         samples_per_step = t.batch_size
         rank_samples = self.strategy.share(self.micro_batch)[1] * t.accum_steps
-        # The plan's check: peaks of steps 2-3 (the first step allocates and autotunes once).
+        # The plan's check: peaks of steps 2-3 (the first step allocates and autotunes once), when the
+        # timed window (below) starts later; else, and in a one-step run, of every step.
         plan_reset, plan_check = self.step + 1, self.step + 3
         warm = t.timing_warmup if t.timing_warmup >= 0 else min(10, max(1, (t.steps - self.step) // 10))
         warm_step = self.step + warm
+        # Peaks are reported over the steps after `self.peaks_from`: from here (not the memory plan's probes
+        # or the model's build), then over the timed steps, the same window for every strategy. A run whose
+        # steps are all warm-up keeps its peaks of every step and has no throughput.
+        _reset_peaks(self.devices)
+        self.peaks_from = self.step
         if warm == 0:
-            _reset_peaks(self.devices)  # peaks over the timed steps: the same window for every strategy
             self.clock.start(self.step)
         window_start, window_steps = time.perf_counter(), 0
         loss_sum = self._loss_sum
@@ -437,15 +443,17 @@ class Trainer:
             self.strategy.on_step_end(self.step)
             self.sample_position += t.batch_size
             window_steps += 1
-            if self.step == plan_reset:
+            if self.step == plan_reset and warm and self.step < t.steps:
                 _reset_peaks(self.devices)
+                self.peaks_from = self.step
             if self.step == plan_check or (self.step == t.steps and self.step < plan_check):
                 with self.clock.paused():
                     self._check_plan()
 
-            if warm and self.step == warm_step:
+            if warm and self.step == warm_step and self.step < t.steps:
                 self._sync()
                 _reset_peaks(self.devices)
+                self.peaks_from = self.step
                 self.clock.start(self.step)
             if self.step == t.steps:
                 self._sync()
@@ -591,17 +599,19 @@ class Trainer:
         summary_doc = {
             "run_id": self.run_id, "steps": self.step, "strategy": self.cfg.strategy.name,
             "workload": self.cfg.workload.name, "world_size": self.env.world_size,
-            "samples_per_s": throughput, f"{unit}_per_s": throughput * k, "imbalance": report.imbalance(rows),
-            "params": param_count(self.model),
-            "peak_window": [self.clock.start_step, self.step],  # peaks: steps after start_step up to here
+            "samples_per_s": throughput, f"{unit}_per_s": throughput * k if throughput is not None else None,
+            "imbalance": report.imbalance(rows), "params": param_count(self.model),
+            "peak_window": [self.peaks_from, self.step],  # peaks: steps after peaks_from up to here
             "cards": rows,
         }
         self.rundir.write_text("summary.json", json.dumps(summary_doc, indent=2) + "\n")
         title = (f"per-card memory: {self.cfg.strategy.name}, {self.cfg.workload.name}, global batch "
                  f"{t.batch_size}, {self.step} steps (run {self.run_id})")
-        if self.clock.start_step:  # peaks were reset when timing started
-            title += f"; peaks over steps {self.clock.start_step + 1}-{self.step}"
-        print(report.table(rows, throughput=throughput * k, unit=unit, title=title), flush=True)
+        title += f"; peaks over steps {self.peaks_from + 1}-{self.step}"
+        untimed = ("n/a (every step of this run was warm-up, which the throughput leaves out: run more steps, or "
+                   "lower train.timing_warmup)")
+        print(report.table(rows, throughput=throughput * k if throughput is not None else untimed, unit=unit,
+                           title=title), flush=True)
 
     def close(self) -> None:
         if self.telemetry is not None:
@@ -637,11 +647,12 @@ class _Clock:
             if self.start_step is not None and self.end_step is None:
                 self.excluded += time.perf_counter() - t
 
-    def rate(self, samples_per_step: int) -> float:
+    def rate(self, samples_per_step: int) -> float | None:
+        """Samples per second over the timed steps; None when no step was timed (all were warm-up)."""
         if self.start_step is None or self.end_step is None or self.end_step <= self.start_step:
-            return 0.0
+            return None
         seconds = self.t1 - self.t0 - self.excluded
-        return (self.end_step - self.start_step) * samples_per_step / seconds if seconds > 0 else 0.0
+        return (self.end_step - self.start_step) * samples_per_step / seconds if seconds > 0 else None
 
 
 def _batches(tr: Trainer):

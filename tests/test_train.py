@@ -54,6 +54,29 @@ def test_run_writes_run_dir_and_table(tmp_path):
     assert final_model(tmp_path, "r")["step"] == 10
 
 
+@pytest.mark.parametrize("steps,warmup,window,timed", [
+    (1, -1, [0, 1], False),  # the default warm-up of a 1-step run is that step: peaks of it, no throughput
+    (3, 5, [1, 3], False),   # all warm-up: peaks after the first step (the plan's check), no throughput
+    (3, 0, [0, 3], True),    # no warm-up: peaks and throughput of every step
+    (12, -1, [1, 12], True),  # the default: one warm-up step in 12
+])
+def test_peak_window_and_throughput_of_short_runs(tmp_path, steps, warmup, window, timed):
+    """The per-card peaks cover the steps the table says (summary.json's peak_window), never a window that
+    starts after the last step; a run that was all warm-up says it has no throughput instead of 0."""
+    p = train(tmp_path, "r", "strategy=dp", f"train.steps={steps}", f"train.timing_warmup={warmup}")
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["peak_window"] == window
+    assert f"; peaks over steps {window[0] + 1}-{window[1]}\n" in p.stdout, p.stdout
+    line = next(x for x in p.stdout.splitlines() if x.startswith("throughput: "))
+    if timed:
+        assert summary["samples_per_s"] > 0 and line.endswith(" img/s"), line
+    else:
+        assert summary["samples_per_s"] is None and summary["img_per_s"] is None
+        assert line == ("throughput: n/a (every step of this run was warm-up, which the throughput leaves out: "
+                        "run more steps, or lower train.timing_warmup)")
+
+
 def test_cpu_runs_are_bit_reproducible(tmp_path):
     for rid in ("a", "b"):
         assert train(tmp_path, rid, "strategy=dp", "train.steps=8").returncode == 0
