@@ -334,6 +334,46 @@ def grad_bytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
 
+def available_host_bytes() -> int | None:
+    """Host memory still free for this job: MemAvailable, capped by the cgroup's limit (a container's
+    memory limit); None where neither can be read."""
+    avail = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            left = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = left if avail is None else min(avail, left)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def host_shortfall(*, params: int, optimizer: str, momentum: float, procs: int, shards: int,
+                   available: int | None) -> str | None:
+    """A CPU run keeps the weights, gradients and optimizer state in host memory. Each of its `procs`
+    processes on this host builds the whole model (float32) and keeps its gradients and optimizer state,
+    split over `shards` ranks under fsdp. What they need before any activation is a lower bound: above
+    what is available, the run cannot fit (the kernel would end it without a word). None: it may fit."""
+    if available is None:
+        return None
+    state = params * 4 + params * (4 + 4 * {"adamw": 2, "sgd": 1 if momentum else 0}[optimizer]) / shards
+    need = procs * state
+    if need <= available:
+        return None
+    from job.models import human
+
+    return (f"this CPU run needs at least {need / GB:.1f} GB of host memory ({procs} process{'es' if procs > 1 else ''} x "
+            f"{state / GB:.1f} GB: the weights, gradients and {optimizer} state of {human(params)} parameters, "
+            f"before activations) and {available / GB:.1f} GB is available; train a smaller model "
+            "(workload.*), in fewer processes (strategy.nprocs), or on GPUs")
+
+
 def probe(card: CardPlan, device, step, *, upto: int, limit: int, extra: float = 0.0) -> None:
     """Measure cost(b) on one card until a probe reaches `upto` samples (or the card's predicted room):
     `step(b)` runs forward + backward of b samples there and frees its gradients; `extra` (bytes) is

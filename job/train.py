@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -193,6 +194,8 @@ class Trainer:
             torch.backends.cudnn.allow_tf32 = True
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             torch.set_num_threads(_cpu_threads())
+        if self.device.type == "cpu":
+            self._check_host_memory()
         torch.manual_seed(t.seed)  # same initial weights on every rank
         model = self.spec.build(w, activation_checkpointing=t.activation_checkpointing)
         if t.channels_last and self.spec.is_image:
@@ -298,6 +301,25 @@ class Trainer:
                 "pick a free telemetry.port or 0 to turn it off"
             ) from None
         return tel
+
+    def _check_host_memory(self) -> None:
+        """Before a CPU run builds its model: refuse in one line, on every rank, a model whose weights,
+        gradients and optimizer state alone exceed the host memory available (counted on the meta device,
+        for every process on rank 0's host)."""
+        c = self.cfg
+        hosts = self.strategy.all_gather_object(socket.gethostname())
+        error = None
+        if self.is_main:
+            with torch.device("meta"):
+                params = param_count(self.spec.build(c.workload))
+            error = memplan.host_shortfall(
+                params=params, optimizer=c.train.optimizer, momentum=c.train.momentum, procs=hosts.count(hosts[0]),
+                shards=self.env.world_size if c.strategy.name == "fsdp" else 1,
+                available=memplan.available_host_bytes())
+        error = self.strategy.all_gather_object(error)[0]
+        if error:
+            launch.destroy_group()  # every rank is here: a clean exit, not an abort
+            raise (UsageError if self.is_main else PeerUsageError)(error)
 
     def _startup_checks(self) -> tuple[dict | None, Path | None]:
         """Rank 0 takes the run's lock, picks the checkpoint to resume and checks it and the data; every

@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import signal
 import socket
@@ -522,3 +523,39 @@ def test_a_rank_that_cannot_see_rank_0s_checkpoint_says_so(tmp_path):
     assert f"cannot see checkpoint {ck}, which rank 0 resumes from" in outs[1][1]
     assert "Traceback" not in outs[0][1] + outs[1][1]
     assert torch.load(ck, weights_only=True)["step"] == 4  # rank 0 kept it as it was
+
+
+def test_a_cpu_run_that_cannot_fit_in_host_memory_is_refused_before_it_builds(tmp_path):
+    """80 billion parameters: 1.3 TB of weights, gradients and AdamW state, more than any machine here has. The
+    run is refused in one line before the model is built (building it would be killed by the kernel without
+    a word); under ddp every rank on the host counts, and nothing is written."""
+    big = ["workload=lm", "workload.layers=400", "workload.d_model=4096", "workload.heads=32"]
+    for strategy, procs in (("dp", 1), ("ddp", 2)):
+        started = time.monotonic()
+        p = train(tmp_path, f"big-{strategy}", *big, f"strategy={strategy}", f"strategy.nprocs={procs}")
+        assert p.returncode == 2, p.stdout + p.stderr
+        assert time.monotonic() - started < 60  # refused before building 320 GB of weights
+        errors = [x for x in p.stderr.splitlines() if x.startswith("error: ")]
+        assert len(errors) == 1, p.stderr
+        need = re.search(rf"this CPU run needs at least ([\d.]+) GB of host memory \({procs} process", errors[0])
+        assert need and float(need[1]) == pytest.approx(80.76e9 * 16 * procs / 1e9, rel=1e-3), errors[0]
+        assert "adamw state of 80.76G parameters" in errors[0] and "GB is available; train a smaller model" in errors[0]
+        assert not (tmp_path / f"big-{strategy}").exists()
+
+
+def test_host_memory_arithmetic():
+    from job.memplan import available_host_bytes, host_shortfall
+
+    kw = {"params": 10**9, "optimizer": "adamw", "momentum": 0.9}
+    assert host_shortfall(**kw, procs=1, shards=1, available=16 * 10**9) is None  # 16 bytes a parameter: fits
+    line = host_shortfall(**kw, procs=2, shards=1, available=20 * 10**9)
+    assert line.startswith("this CPU run needs at least 32.0 GB of host memory (2 processes x 16.0 GB:"), line
+    assert "and 20.0 GB is available" in line
+    # fsdp: every rank builds the float32 weights, the gradients and AdamW state are split over the ranks.
+    assert "at least 20.0 GB" in host_shortfall(**kw, procs=2, shards=2, available=10**9)
+    assert "at least 8.0 GB" in host_shortfall(params=10**9, optimizer="sgd", momentum=0.0, procs=1, shards=1,
+                                               available=10**9)
+    assert host_shortfall(**kw, procs=8, shards=1, available=None) is None  # unknown: never refuse
+    avail = available_host_bytes()
+    total = int(next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal:")).split()[1])
+    assert avail is not None and 0 < avail <= total * 1024
