@@ -324,10 +324,14 @@ def card_state(device, label: str, *, cap_gb: float | None, margin_gb: float) ->
                     room=room)
 
 
+def optimizer_slots(optimizer: str, momentum: float) -> int:
+    """Tensors the size of the parameters that the optimizer keeps: AdamW two moments, SGD one momentum buffer."""
+    return {"adamw": 2, "sgd": 1 if momentum else 0}[optimizer]
+
+
 def optimizer_state_bytes(params, optimizer: str, momentum: float) -> int:
-    """What the optimizer's first step allocates and keeps: AdamW two moments, SGD one momentum buffer."""
-    per_param = {"adamw": 2, "sgd": 1 if momentum else 0}[optimizer]
-    return per_param * sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+    """What the optimizer's first step allocates and keeps."""
+    return optimizer_slots(optimizer, momentum) * sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
 
 def grad_bytes(params) -> int:
@@ -362,7 +366,7 @@ def host_shortfall(*, params: int, optimizer: str, momentum: float, procs: int, 
     what is available, the run cannot fit (the kernel would end it without a word). None: it may fit."""
     if available is None:
         return None
-    state = params * 4 + params * (4 + 4 * {"adamw": 2, "sgd": 1 if momentum else 0}[optimizer]) / shards
+    state = params * 4 + params * 4 * (1 + optimizer_slots(optimizer, momentum)) / shards
     need = procs * state
     if need <= available:
         return None
