@@ -435,8 +435,7 @@ class Trainer:
         # Peaks are reported over the steps after `self.peaks_from`: from here (not the memory plan's probes
         # or the model's build), then over the timed steps, the same window for every strategy. A run whose
         # steps are all warm-up keeps its peaks of every step and has no throughput.
-        _reset_peaks(self.devices)
-        self.peaks_from = self.step
+        self._restart_peaks()
         if warm == 0:
             self.clock.start(self.step)
         window_start, window_steps = time.perf_counter(), 0
@@ -466,16 +465,14 @@ class Trainer:
             self.sample_position += t.batch_size
             window_steps += 1
             if self.step == plan_reset and warm and self.step < t.steps:
-                _reset_peaks(self.devices)
-                self.peaks_from = self.step
+                self._restart_peaks()
             if self.step == plan_check or (self.step == t.steps and self.step < plan_check):
                 with self.clock.paused():
                     self._check_plan()
 
             if warm and self.step == warm_step and self.step < t.steps:
                 self._sync()
-                _reset_peaks(self.devices)
-                self.peaks_from = self.step
+                self._restart_peaks()
                 self.clock.start(self.step)
             if self.step == t.steps:
                 self._sync()
@@ -609,6 +606,11 @@ class Trainer:
                       self._nonfinite, what, self.cfg.train.lr, amp)
         return failure.EXIT_CRASH
 
+    def _restart_peaks(self) -> None:
+        """The per-card peaks cover the steps after this one from here on."""
+        _reset_peaks(self.devices)
+        self.peaks_from = self.step
+
     def _finish(self) -> None:
         self._sync()
         t = self.cfg.train
@@ -617,23 +619,22 @@ class Trainer:
         if not self.is_main:
             return
         k = self.spec.units_per_sample(self.cfg.workload)
+        rate = throughput * k if throughput is not None else None  # units/s
         unit = self.spec.unit
         summary_doc = {
             "run_id": self.run_id, "steps": self.step, "strategy": self.cfg.strategy.name,
             "workload": self.cfg.workload.name, "world_size": self.env.world_size,
-            "samples_per_s": throughput, f"{unit}_per_s": throughput * k if throughput is not None else None,
+            "samples_per_s": throughput, f"{unit}_per_s": rate,
             "imbalance": report.imbalance(rows), "params": param_count(self.model),
             "peak_window": [self.peaks_from, self.step],  # peaks: steps after peaks_from up to here
             "cards": rows,
         }
         self.rundir.write_text("summary.json", json.dumps(summary_doc, indent=2) + "\n")
         title = (f"per-card memory: {self.cfg.strategy.name}, {self.cfg.workload.name}, global batch "
-                 f"{t.batch_size}, {self.step} steps (run {self.run_id})")
-        title += f"; peaks over steps {self.peaks_from + 1}-{self.step}"
+                 f"{t.batch_size}, {self.step} steps (run {self.run_id}); peaks over steps {self.peaks_from + 1}-{self.step}")
         untimed = ("n/a (every step of this run was warm-up, which the throughput leaves out: run more steps, or "
                    "lower train.timing_warmup)")
-        print(report.table(rows, throughput=throughput * k if throughput is not None else untimed, unit=unit,
-                           title=title), flush=True)
+        print(report.table(rows, throughput=untimed if rate is None else rate, unit=unit, title=title), flush=True)
 
     def close(self) -> None:
         if self.telemetry is not None:
