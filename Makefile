@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STRATEGY ?=
+WORKLOAD ?=
 ARGS ?=
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 
@@ -13,7 +14,7 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 help: ## List the targets
 	@grep -hE '^[a-zA-Z0-9_-]+:.*## ' $(MAKEFILE_LIST) | sort -u | \
 	  awk 'BEGIN {FS = ":.*## "}; {printf "  make %-14s %s\n", $$1, $$2}'
-	@echo "  variables: STRATEGY=<dp|balanced|balanced-graphs|ddp|fsdp|accum> ARGS='key=value ...'"
+	@echo "  variables: STRATEGY=<dp|balanced|balanced-graphs|ddp|fsdp|accum> WORKLOAD=<preset|module:attribute> ARGS='key=value ...'"
 
 $(VENV)/.stamp-setup: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,13 +26,13 @@ $(VENV)/.stamp-setup: pyproject.toml
 setup: $(VENV)/.stamp-setup ## Create .venv with torch and the project (idempotent)
 
 run: setup ## Train a short local run on the embedded default and print the per-card table
-	$(PY) -m job train $(if $(STRATEGY),strategy=$(STRATEGY)) $(ARGS)
+	$(PY) -m job train $(if $(STRATEGY),strategy=$(STRATEGY)) $(if $(WORKLOAD),workload=$(WORKLOAD)) $(ARGS)
 
 test: setup ## Run the whole test suite (what CI runs); fails if no test ran
 	$(PY) -m pytest $(ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc
 
 lint: setup ## ruff check
-	$(PY) -m ruff check job tests
+	$(PY) -m ruff check job tests examples
 
 -include $(wildcard mk/*.mk)

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         from job import config
 
         if "-h" in rest or "--help" in rest:
-            print(config.help_text())
+            print(config.help_text(rest))
             return 0
         cfg = config.load(rest)
         if command == "bench":

@@ -63,25 +63,9 @@ class StrategyCfg:
 @dataclass
 class WorkloadCfg:
     name: str = "tiny"
-    """tiny (small CNN, CPU-friendly) | resnet50 (torchvision, ImageNet shapes) | lm (decoder LM)."""
-    image_size: int = 32
-    """tiny/resnet50: square input side in pixels."""
-    num_classes: int = 10
-    """tiny/resnet50: classifier outputs."""
-    width: int = 32
-    """tiny: channels of the first conv layer."""
-    layers: int = 6
-    """lm: transformer blocks."""
-    d_model: int = 768
-    """lm: hidden size."""
-    heads: int = 12
-    """lm: attention heads (must divide d_model)."""
-    vocab: int = 50304
-    """lm: vocabulary size (the logits tensor is batch x seq x vocab: the DataParallel pile-up)."""
-    seq_len: int = 1024
-    """lm: tokens per sample."""
-    dropout: float = 0.0
-    """lm: dropout probability, 0 <= p < 1."""
+    """The workload: a built-in (tiny | resnet50 | lm), an import path `module:attribute` of your own
+    job.workload.Workload (or `file.py:attribute`), or a name in the `trainjob.workloads` entry-point group.
+    The other workload.* keys are that workload's own settings (`workload=NAME --help` lists them)."""
 
 
 @dataclass
@@ -145,16 +129,37 @@ class TrainCfg:
 @dataclass
 class DataCfg:
     kind: str = "synthetic"
-    """synthetic (deterministic random data, resident on the device) | imagefolder."""
+    """synthetic (random samples from the workload's example_batch, resident on the device), or a kind the
+    workload reads from data.path: imagefolder (tiny, resnet50), tokens (lm), or your workload's own kinds."""
     path: str = ""
-    """imagefolder: root folder with one sub-folder per class, each holding at least one image (checked
-    at start); a file that does not decode stops the run with a line naming it, exit 2."""
+    """Where the data is: imagefolder: a root with one sub-folder per class; tokens: a flat file of token ids;
+    your workload's kinds: whatever its dataset() reads. Checked when the run starts (nothing is written
+    before); a file that does not decode later stops the run with a line naming it, exit 2."""
+    val_path: str = ""
+    """Held-out data of the same kind, evaluated every eval.every steps and at the end (empty: none, unless
+    data.val_fraction holds part of data.path out)."""
+    val_fraction: float = 0.0
+    """Fraction of data.path held out for validation (a fixed seeded choice of samples, never trained on);
+    0: none. Not with data.val_path."""
+    token_dtype: str = "uint16"
+    """tokens: the file's token type, uint16 | uint32 (nanoGPT's train.bin is uint16)."""
     workers: int = 0
-    """imagefolder: DataLoader worker processes."""
+    """DataLoader worker processes for data read from files (0: read in the training process)."""
     prefetch: bool = False
     """Copy the next batch to the GPU on a side CUDA stream while the current one computes."""
     synthetic_pool: int = 64
     """synthetic: distinct samples generated once and cycled."""
+
+
+@dataclass
+class EvalCfg:
+    every: int = 0
+    """Evaluate the held-out data every N optimizer steps, and at the end (0: only at the end). With
+    data.kind=synthetic and N > 0, a held-out pool of random samples is made from another seed."""
+    samples: int = 0
+    """Most held-out samples per evaluation, the first ones in a fixed order (0: all; synthetic: 256)."""
+    batch_size: int = 0
+    """Held-out samples per forward over all cards or ranks (0: the training micro-batch)."""
 
 
 @dataclass
@@ -282,6 +287,7 @@ class Config:
     workload: WorkloadCfg = field(default_factory=WorkloadCfg)
     train: TrainCfg = field(default_factory=TrainCfg)
     data: DataCfg = field(default_factory=DataCfg)
+    eval: EvalCfg = field(default_factory=EvalCfg)
     memory: MemoryCfg = field(default_factory=MemoryCfg)
     telemetry: TelemetryCfg = field(default_factory=TelemetryCfg)
     submit: SubmitCfg = field(default_factory=SubmitCfg)
@@ -301,18 +307,13 @@ LIMITS: dict[str, tuple[int, int]] = {
     "train.log_every": (1, MAX_STEPS),
     "train.timing_warmup": (-1, MAX_STEPS),
     "train.seed": (0, 2**32 - 1),
-    "workload.image_size": (8, 8192),
-    "workload.num_classes": (1, 2**24),
-    "workload.width": (1, 4096),
-    "workload.layers": (1, 1024),
-    "workload.d_model": (1, 65536),
-    "workload.heads": (1, 1024),
-    "workload.vocab": (2, 2**24),
-    "workload.seq_len": (1, 2**20),
     "strategy.nprocs": (0, 1024),
     "strategy.check_replicas_every": (0, MAX_STEPS),
     "data.workers": (0, 256),
     "data.synthetic_pool": (1, 2**20),
+    "eval.every": (0, MAX_STEPS),
+    "eval.samples": (0, 2**31 - 1),
+    "eval.batch_size": (0, 2**20),
     "telemetry.log_every": (0, MAX_STEPS),
     "telemetry.stall_s": (0, 10**7),
 }
@@ -325,7 +326,7 @@ CHOICES = {
     "train.optimizer": ("sgd", "adamw"),
     "train.amp": ("off", "bf16", "fp16"),
     "train.device": ("auto", "cuda", "cpu"),
-    "data.kind": ("synthetic", "imagefolder"),
+    "data.token_dtype": ("uint16", "uint32"),
     "strategy.backend": ("auto", "nccl", "gloo"),
     "submit.executor": ("auto", "slurm", "local"),
     "bench.mode": ("compare", "maxbatch", "profile"),
@@ -338,19 +339,15 @@ def preset_names(kind: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / kind).glob("*.yaml"))
 
 
-# The names job.strategies.REGISTRY and job.models.WORKLOADS register (a test keeps them equal), written
-# out so that loading a config does not import torch: `status`, `submit` and `--help` start in a fraction
-# of a second, and `make submit` works on a login node without a GPU build of torch.
+# The names job.strategies.REGISTRY registers (a test keeps them equal), written out so that loading a
+# config does not import torch: `status`, `submit` and `--help` start in a fraction of a second, and
+# `make submit` works on a login node without a GPU build of torch. Workloads are found by job.workload,
+# which imports no torch either (a user's own workload module may).
 STRATEGY_NAMES = ("balanced", "ddp", "dp", "fsdp")
-WORKLOAD_NAMES = ("lm", "resnet50", "tiny")
 
 
 def _strategy_names() -> list[str]:
     return list(STRATEGY_NAMES)
-
-
-def _workload_names() -> list[str]:
-    return list(WORKLOAD_NAMES)
 
 
 def _suggest(key: str, candidates: list[str]) -> str:
@@ -404,8 +401,14 @@ def _merge(base, other, source: str):
     try:
         return OmegaConf.merge(base, other)
     except ConfigKeyError as e:
-        key = e.full_key or e.key or "?"
-        raise UsageError(f"unknown key `{key}` in {source}; {_suggest(str(key), all_keys())}") from None
+        key = str(e.full_key or e.key or "?")
+        if key.startswith("workload."):
+            keys = [k for k in base.workload.keys() if k != "name"]
+            close = difflib.get_close_matches(key.split(".", 1)[1], keys, n=1, cutoff=0.6)
+            hint = f"did you mean `workload.{close[0]}`? " if close else ""
+            raise UsageError(f"unknown key `{key}` in {source}: workload `{base.workload.name}` has the keys "
+                             f"{', '.join(keys)}; {hint}(its settings dataclass defines them)") from None
+        raise UsageError(f"unknown key `{key}` in {source}; {_suggest(key, all_keys(base))}") from None
     except ValidationError as e:
         key = e.full_key or e.key or "?"
         expected = type(OmegaConf.select(base, str(key))).__name__ if OmegaConf.select(base, str(key)) is not None else "?"
@@ -445,20 +448,86 @@ def load(argv: list[str]):
     user_file = _read_yaml(config_file, "--config file") if config_file else OmegaConf.create({})
     picks, dotlist = _picks(overrides, user_file)
 
+    base = _read_yaml(CONF_DIR / "base.yaml", "preset")
+    layers = [(base, "conf/base.yaml")]
+    strategy = picks.get("strategy", OmegaConf.select(base, "strategy.name", default="ddp"))
+    if strategy not in preset_names("strategy"):
+        raise UsageError(f"unknown strategy `{strategy}`; choose one of: {', '.join(preset_names('strategy'))}")
+    layers.append((_read_yaml(CONF_DIR / "strategy" / f"{strategy}.yaml", "preset"), f"conf/strategy/{strategy}.yaml"))
+    workload = picks.get("workload", OmegaConf.select(base, "workload.name", default="tiny"))
+    if workload in preset_names("workload"):
+        layers.append((_read_yaml(CONF_DIR / "workload" / f"{workload}.yaml", "preset"),
+                       f"conf/workload/{workload}.yaml"))
+    else:  # not a preset: the workload itself (built-in, import path, entry point), with its defaults
+        layers.append((OmegaConf.create({"workload": {"name": workload}}), f"workload={workload}"))
+    name = _workload_name([*layers, (user_file, "")], dotlist)
+    if "workload" not in picks and OmegaConf.select(layers[-1][0], "workload.name") != name:
+        # The default preset is for another workload than the one --config or workload.name= sets (a spawned
+        # rank's resolved config): its keys are not this workload's.
+        layers.pop()
+    layers.append((user_file, f"--config {config_file}"))
     cfg = OmegaConf.structured(Config)
-    cfg = _merge(cfg, _read_yaml(CONF_DIR / "base.yaml", "preset"), "conf/base.yaml")
-    for kind, names in (("strategy", preset_names("strategy")), ("workload", preset_names("workload"))):
-        name = picks.get(kind, cfg[kind].name)
-        if name not in names:
-            raise UsageError(f"unknown {kind} `{name}`; choose one of: {', '.join(names)}")
-        cfg = _merge(cfg, _read_yaml(CONF_DIR / kind / f"{name}.yaml", "preset"), f"conf/{kind}/{name}.yaml")
-    cfg = _merge(cfg, user_file, f"--config {config_file}")
+    cfg.workload = workload_section(name)
+    for node, source in layers:
+        cfg = _merge(cfg, node, source)
     cfg = _merge(cfg, _parse_dotlist(cfg, dotlist), "command line")
     # YAML 1.1 reads a bare `off`/`no`/`false` as a boolean; for train.amp it can only mean off.
     if cfg.train.amp == "False":
         cfg.train.amp = "off"
     validate(cfg)
     return cfg
+
+
+def _workload_name(layers, dotlist: list[str]) -> str:
+    """workload.name as the merge will leave it: the last layer (or `workload.name=` override) that sets it."""
+    from omegaconf import OmegaConf
+
+    name = "tiny"
+    for node, _source in layers:
+        value = OmegaConf.select(node, "workload.name", default=None)
+        if value is not None:
+            name = str(value)
+    for item in dotlist:
+        key, value = item.split("=", 1)
+        if key == "workload.name":
+            name = value.strip("'\"")
+    return name
+
+
+def workload_section(name: str):
+    """The typed `workload` section of the workload called `name`: its `name` and its own settings' fields
+    (unknown keys and wrong types are then refused like any other key's)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from job import workload as wl
+
+    resolved = wl.resolve(name)
+    cls = WorkloadCfg
+    if resolved.workload.settings is not None:
+        cls = dataclasses.make_dataclass(f"Workload[{name}]", [], bases=(resolved.workload.settings, WorkloadCfg))
+    try:
+        section = OmegaConf.structured(cls)
+    except Exception as e:  # a settings type OmegaConf cannot hold (e.g. a tensor, an arbitrary class)
+        raise UsageError(f"workload `{name}`: its settings cannot be config keys ({_first_line(e)}); use int, "
+                         "float, bool, str, lists of those, or enums") from None
+    section.name = name
+    return section
+
+
+def workload_of(cfg):
+    """The job.workload.Resolved workload of a loaded config."""
+    from job import workload as wl
+
+    return wl.resolve(cfg.workload.name)
+
+
+def workload_settings(cfg):
+    """The workload's settings object (its `settings` dataclass filled from workload.*), or None."""
+    from job import workload as wl
+
+    return wl.settings_object(workload_of(cfg).workload, cfg.workload)
 
 
 def _picks(overrides: list[str], user_file) -> tuple[dict[str, str], list[str]]:
@@ -525,10 +594,6 @@ def validate(cfg) -> None:
         raise UsageError(
             f"unknown strategy `{cfg.strategy.name}`; choose one of: {', '.join(_strategy_names())}"
         )
-    if cfg.workload.name not in _workload_names():
-        raise UsageError(
-            f"unknown workload `{cfg.workload.name}`; choose one of: {', '.join(_workload_names())}"
-        )
     t = cfg.train
     for key, (low, high) in LIMITS.items():
         value = OmegaConf.select(cfg, key)
@@ -556,26 +621,20 @@ def validate(cfg) -> None:
             f"global batch {t.batch_size} is not a multiple of train.accum_steps={t.accum_steps}; "
             f"use a batch size of {t.accum_steps}·k"
         )
-    w = cfg.workload
-    if w.name == "lm" and w.d_model % w.heads:
-        raise UsageError(f"workload.d_model={w.d_model} is not a multiple of workload.heads={w.heads}")
-    if cfg.data.kind == "imagefolder":
-        if w.name == "lm":
-            raise UsageError("data.kind=imagefolder feeds images; use workload=tiny or workload=resnet50")
-        if not cfg.data.path or not Path(cfg.data.path).is_dir():
-            raise UsageError(
-                f"data.path `{cfg.data.path}` is not a folder; point data.path at an ImageFolder root "
-                "(one sub-folder per class)"
-            )
+    from job import workload as wl
+
+    resolved = workload_of(cfg)
+    wl.check_settings(resolved, cfg.workload)
+    _check_data(cfg, resolved)
     if t.run_id and (os.sep in t.run_id or t.run_id in (".", "..")):
         raise UsageError(f"train.run_id `{t.run_id}` must be a plain name, not a path")
 
 
 def _check_floats(cfg) -> None:
     """NaN, inf and out-of-range rates: they would poison the weights at the first step."""
-    t, w = cfg.train, cfg.workload
+    t = cfg.train
     floats = {"train.lr": t.lr, "train.momentum": t.momentum, "train.weight_decay": t.weight_decay,
-              "workload.dropout": w.dropout}
+              "data.val_fraction": cfg.data.val_fraction}
     for key, value in floats.items():
         if not math.isfinite(value):
             raise UsageError(f"`{key}={value}` is not a finite number; {FLOAT_RANGES[key]}")
@@ -583,8 +642,9 @@ def _check_floats(cfg) -> None:
         raise UsageError(f"`train.lr={t.lr}` is out of range; {FLOAT_RANGES['train.lr']}")
     if not 0 <= t.momentum < 1:
         raise UsageError(f"`train.momentum={t.momentum}` is out of range; {FLOAT_RANGES['train.momentum']}")
-    if not 0 <= w.dropout < 1:
-        raise UsageError(f"`workload.dropout={w.dropout}` is out of range; {FLOAT_RANGES['workload.dropout']}")
+    if not 0 <= cfg.data.val_fraction < 1:
+        raise UsageError(f"`data.val_fraction={cfg.data.val_fraction}` is out of range; "
+                         f"{FLOAT_RANGES['data.val_fraction']}")
     if t.weight_decay < 0 or t.lr * t.weight_decay >= 1:
         raise UsageError(
             f"`train.weight_decay={t.weight_decay}` with train.lr={t.lr}: {FLOAT_RANGES['train.weight_decay']} "
@@ -609,14 +669,49 @@ FLOAT_RANGES = {
     "train.momentum": "give a value from 0 up to (not including) 1, e.g. 0.9",
     "train.weight_decay": "weight decay must be at least 0 and lr x weight_decay below 1 (each step scales "
                           "the weights by 1 - lr x weight_decay)",
-    "workload.dropout": "give a probability from 0 up to (not including) 1",
+    "data.val_fraction": "give the fraction of data.path to hold out, from 0 (none) up to (not including) 1",
 }
 
 
-def help_text() -> str:
-    """`python -m job train --help`: every key, its default and its doc line."""
+def _check_data(cfg, resolved) -> None:
+    """data.kind is one the workload reads; data.path is given exactly where the kind reads one."""
+    d, name = cfg.data, cfg.workload.name
+    kinds = resolved.workload.kinds()
+    if d.kind not in kinds:
+        if d.kind == "synthetic":
+            raise UsageError(f"workload `{name}` has no example_batch, so data.kind=synthetic has nothing to "
+                             f"draw from; set data.kind={kinds[0]} data.path=... (it reads: {', '.join(kinds)})")
+        raise UsageError(f"`data.kind={d.kind}` is not a kind workload `{name}` reads; choose one of: "
+                         f"{', '.join(kinds)}")
+    if d.kind == "synthetic":
+        for key in ("path", "val_path"):
+            if d[key]:
+                others = [k for k in kinds if k != "synthetic"]
+                fix = (f"set data.kind={'|'.join(others)} to read it" if others else
+                       f"workload `{name}` reads no files")
+                raise UsageError(f"data.{key}={d[key]} is set, and data.kind=synthetic ignores it: {fix}, or "
+                                 f"drop data.{key}")
+        if d.val_fraction:
+            raise UsageError("data.val_fraction holds part of data.path out, and data.kind=synthetic reads no "
+                             "data.path; use eval.every=N for a held-out synthetic pool, or read files")
+        return
+    if not d.path:
+        raise UsageError(f"data.kind={d.kind} reads data.path, which is empty; set data.path=FILE_OR_FOLDER")
+    for key in ("path", "val_path"):
+        if d[key] and not Path(d[key]).exists():
+            raise UsageError(f"data.{key} {d[key]} does not exist (working directory {os.getcwd()}); give an "
+                             "existing file or folder")
+    if d.val_path and d.val_fraction:
+        raise UsageError("data.val_path and data.val_fraction both choose the held-out data; set one of them")
+
+
+def help_text(argv: list[str] | None = None) -> str:
+    """`python -m job train [workload=NAME] --help`: every key, its default and its doc line (the workload's
+    own keys for the workload that argv picks)."""
     import ast
     import inspect
+
+    from job import workload as wl
 
     docs: dict[str, str] = {}
     tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["x"])))
@@ -631,11 +726,23 @@ def help_text() -> str:
     from omegaconf import OmegaConf
 
     base = OmegaConf.structured(Config)
+    argv = [a for a in (argv or []) if a not in ("-h", "--help")]
+    config_file, overrides, _ = split_args(argv)
+    user_file = _read_yaml(config_file, "--config file") if config_file else OmegaConf.create({})
+    picked = _picks(overrides, user_file)[0].get("workload", "tiny")
+    if picked in preset_names("workload"):
+        picked = OmegaConf.select(_read_yaml(CONF_DIR / "workload" / f"{picked}.yaml", "preset"), "workload.name")
+    base.workload = workload_section(picked)
+    settings_cls = wl.resolve(picked).workload.settings
+    if settings_cls is not None:
+        docs.update({f"WorkloadCfg.{k}": v for k, v in wl.settings_docs(settings_cls).items()})
     sections = {f.name: f.type for f in Config.__dataclass_fields__.values()}
     lines = [
         "usage: python -m job train|bench|export|submit [--config FILE] [key=value ...]",
         "",
-        f"presets: strategy=<{'|'.join(preset_names('strategy'))}>  workload=<{'|'.join(preset_names('workload'))}>",
+        f"presets: strategy=<{'|'.join(preset_names('strategy'))}>  workload=<{'|'.join(preset_names('workload'))}>"
+        "  (or workload=module:attribute, your own job.workload.Workload)",
+        f"workload.* below: the keys of workload `{picked}` (workload=NAME --help shows another's)",
         "precedence: schema defaults < conf/base.yaml < strategy preset < workload preset < --config < key=value",
         "",
     ]

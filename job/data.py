@@ -1,31 +1,37 @@
 """Batches: deterministic by position, so a resumed or re-split run sees exactly the same samples.
 
-A run consumes global sample ids 0, 1, 2, ... in micro-batches of B = train.batch_size / train.accum_steps. A process that trains a slice of it (a DDP
-rank) takes its contiguous share of those ids, whatever the split (even or uneven, job.memplan), so a run
-resumed under another split or accumulation sees the same samples. A checkpoint saves the number of
-samples consumed (`sample_position`).
+A run consumes global sample ids 0, 1, 2, ... in micro-batches of B = train.batch_size / train.accum_steps.
+A process that trains a slice of it (a DDP rank) takes its contiguous share of those ids, whatever the split
+(even or uneven, job.memplan), so a run resumed under another split or accumulation sees the same samples.
+A checkpoint saves the number of samples consumed (`sample_position`).
 
-- synthetic: a pool of `data.synthetic_pool` random samples made once from the seed, kept on the
-  device, and indexed by sample id; no host work per step, so it never limits GPU throughput.
-- imagefolder: torchvision ImageFolder, a fresh seeded permutation per epoch, DataLoader workers.
-  Broken data is bad input, reported in one line naming the folder or file: a root without class
-  folders, a class folder without images, more classes than workload.num_classes (checked before the
-  run starts), and a file that does not decode (when it is read: the first batch is read before the
-  run writes anything; later ones stop the run).
+- synthetic: a pool of `data.synthetic_pool` samples from the workload's `example_batch`, made once from
+  the seed, kept on the device and indexed by sample id; no host work per step, so it never limits GPU
+  throughput.
+- any other data.kind: the workload's `dataset` (job.workload; job.datasets has the token-file and
+  image-folder readers), read by DataLoader workers with pinned memory. Sample id i of epoch e = i // n is
+  item perm_e[i % n] of a fresh seeded permutation per epoch; the item index handed to the dataset is a
+  `job.datasets.SampleIndex`, which carries the sample id for augmentation seeded per sample.
+- held-out data (validation): data.val_path, or data.val_fraction of data.path (a fixed seeded choice of
+  items, never trained on), or with synthetic data a pool from another seed; read in a fixed order.
+
+Broken data is bad input, reported in one line naming the file: the dataset is built, and the first batch
+read, before the run writes anything; a file that fails later stops the run with its line.
 """
 
 from __future__ import annotations
 
 import itertools
-import os
-import re
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 
+from job import workload as wl
+from job.datasets import BadImage, SampleIndex  # noqa: F401  (BadImage: the data layer's one-line error)
 from job.errors import UsageError
-from job.models import Workload
+
+SPLIT_SEED = 2_147_483_647  # the held-out choice of data.val_fraction: fixed, so train.seed does not move it
+SYNTHETIC_VAL = 256  # held-out synthetic samples when eval.samples is 0
 
 
 def sample_ids(g: int, micro_batch: int, *, offset: int = 0, count: int | None = None, base: int = 0) -> range:
@@ -35,174 +41,241 @@ def sample_ids(g: int, micro_batch: int, *, offset: int = 0, count: int | None =
     return range(start, start + (micro_batch if count is None else count))
 
 
-def probe_batch(spec: Workload, wcfg, n: int, *, device: torch.device, channels_last: bool):
-    """n random samples shaped like the real ones, made on the device (the memory plan's probes)."""
-    shape = spec.sample_shape(wcfg)
-    if spec.is_image:
-        x = _format(torch.randn((n, *shape), device=device), channels_last)
-        y = torch.randint(0, wcfg.num_classes, (n,), device=device)
-    else:
-        x = torch.randint(0, wcfg.vocab, (n, wcfg.seq_len), device=device)
-        y = torch.randint(0, wcfg.vocab, (n, wcfg.seq_len), device=device)
-    return x, y
+class Data:
+    """One run's data: the workload, its settings and the data section, and what each part of the job asks
+    for (probe batches, the training stream, the held-out batches)."""
 
+    def __init__(self, resolved: wl.Resolved, settings, dcfg, *, seed: int):
+        self.resolved, self.settings, self.cfg, self.seed = resolved, settings, dcfg, seed
+        self.workload = resolved.workload
+        self._train: tuple | None = None
 
-class SyntheticData:
-    def __init__(self, spec: Workload, wcfg, *, pool: int, seed: int, device: torch.device):
-        gen = torch.Generator().manual_seed(seed + 7919)
-        shape = spec.sample_shape(wcfg)
-        if spec.is_image:
-            self.x = torch.randn((pool, *shape), generator=gen)
-            self.y = torch.randint(0, wcfg.num_classes, (pool,), generator=gen)
+    @property
+    def synthetic(self) -> bool:
+        return self.cfg.kind == "synthetic"
+
+    def _dataset(self, path: str, split: str):
+        request = wl.DataRequest(kind=self.cfg.kind, path=path, split=split, seed=self.seed,
+                                 token_dtype=self.cfg.token_dtype)
+        ds = wl.call(f"workload `{self.resolved.name}`: dataset(kind={self.cfg.kind}, split={split})",
+                     self.workload.dataset, self.settings, request)
+        if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
+            raise UsageError(f"workload `{self.resolved.name}`: dataset() returned a {type(ds).__name__}, not a "
+                             "map-style Dataset (with __getitem__ and __len__)")
+        n = wl.call(f"workload `{self.resolved.name}`: len(dataset)", len, ds)
+        if n == 0:
+            raise UsageError(f"workload `{self.resolved.name}`: the {split} dataset at {path} holds no samples; "
+                             "point data.path at data")
+        return ds
+
+    def train_set(self) -> tuple:
+        """(dataset, the item indices that are training data)."""
+        if self._train is None:
+            ds = self._dataset(self.cfg.path, "train")
+            indices = list(range(len(ds)))
+            if self.cfg.val_fraction:
+                indices = held_out_split(len(ds), self.cfg.val_fraction, path=self.cfg.path)[0]
+            self._train = (ds, indices)
+        return self._train
+
+    def val_set(self) -> tuple | None:
+        """(dataset, held-out item indices), or None where no held-out data is configured."""
+        d = self.cfg
+        if d.val_path:
+            ds = self._dataset(d.val_path, "val")
+            return ds, list(range(len(ds)))
+        if d.val_fraction:
+            ds = self._dataset(d.path, "val")
+            return ds, held_out_split(len(ds), d.val_fraction, path=d.path)[1]
+        return None
+
+    def check(self) -> None:
+        """Build the data sets now and read one sample of each (rank 0, before anything is written)."""
+        if self.synthetic:
+            return
+        for ds, indices in [s for s in (self.train_set(), self.val_set()) if s is not None]:
+            wl.call(f"workload `{self.resolved.name}`: dataset[{indices[0]}]", ds.__getitem__,
+                        SampleIndex(indices[0], 0, self.seed))
+        self._train = None  # the training stream builds its own (and DataLoader workers copy it)
+
+    # -- the memory plan's probes, and the check that the model's output fits its loss ------------------
+    def probe_batch(self, n: int, device: torch.device, *, channels_last: bool):
+        """n samples shaped like the real ones, on `device`: from example_batch, else the dataset's first."""
+        if self.workload.example_batch is not None:
+            gen = torch.Generator(device=device).manual_seed(12345)
+            x, y = _check_pair(self.resolved.name, "example_batch", wl.call(
+                f"workload `{self.resolved.name}`: example_batch", self.workload.example_batch, self.settings, n, gen), n)
+            return _format(x.to(device), channels_last), y.to(device)
+        ds, indices = self.train_set()
+        from torch.utils.data import default_collate
+
+        items = [wl.call(f"workload `{self.resolved.name}`: dataset[{indices[i % len(indices)]}]", ds.__getitem__,
+                         SampleIndex(indices[i % len(indices)], i, self.seed)) for i in range(n)]
+        x, y = _check_pair(self.resolved.name, "dataset items", default_collate(items), n)
+        return _format(x.to(device), channels_last), y.to(device)
+
+    # -- the training stream ------------------------------------------------------------------------
+    def batches(self, *, micro_batch: int, start: int, offset: int, count: int, device: torch.device,
+                channels_last: bool, prefetch: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Endless iterator of this process's (x, y) micro-batches from global sample id `start` on:
+        `count` samples from position `offset` of each."""
+        if self.synthetic:
+            pool = SyntheticPool(self, size=self.cfg.synthetic_pool, seed=self.seed + 7919, device=device)
+
+            def gen():
+                g = 0
+                while True:
+                    x, y = pool.batch(sample_ids(g, micro_batch, offset=offset, count=count, base=start))
+                    yield _format(x, channels_last), y
+                    g += 1
+
+            return gen()
+        ds, indices = self.train_set()
+        order = EpochOrder(indices, seed=self.seed)
+        sampler = _BatchSampler(order, start=start, micro_batch=micro_batch, offset=offset, count=count)
+        return _loader(self.resolved.name, ds, sampler, workers=self.cfg.workers, device=device, channels_last=channels_last,
+                       prefetch=prefetch, persistent=True)
+
+    # -- held-out batches ---------------------------------------------------------------------------
+    def has_val(self, eval_every: int) -> bool:
+        return bool(self.cfg.val_path or self.cfg.val_fraction or (self.synthetic and eval_every > 0))
+
+    def val_batches(self, *, batch: int, limit: int, rank: int, world: int, device: torch.device,
+                    channels_last: bool):
+        """This rank's share of every held-out batch, as (x, y, n): n real samples; a rank whose share is
+        empty gets one sample with n = 0 (under fsdp every rank must run every forward). Equal counts of
+        batches on every rank."""
+        from job.memplan import even_split
+
+        if self.synthetic:
+            size = limit or SYNTHETIC_VAL
+            pool = SyntheticPool(self, size=size, seed=self.seed + 104_729, device=device)
+            total, fetch = size, None
         else:
-            tokens = torch.randint(0, wcfg.vocab, (pool, wcfg.seq_len + 1), generator=gen)
-            self.x, self.y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-        self.x, self.y = self.x.to(device), self.y.to(device)
-        self.pool = pool
+            ds, indices = self.val_set()
+            if limit:
+                indices = indices[:limit]
+            total, fetch = len(indices), (ds, indices)
+        index_lists, counts = [], []
+        for first in range(0, total, batch):
+            size = min(batch, total - first)
+            shares = even_split(size, world)
+            lo = first + sum(shares[:rank])
+            n = shares[rank]
+            index_lists.append(list(range(lo, lo + n)) if n else [first])
+            counts.append(n)
+        if fetch is None:
+            for ids, n in zip(index_lists, counts):
+                x, y = pool.take(ids)
+                yield _format(x, channels_last), y, n
+            return
+        ds, indices = fetch
+        picked = [[SampleIndex(indices[i], i, self.seed) for i in ids] for ids in index_lists]
+        loader = _loader(self.resolved.name, ds, picked, workers=self.cfg.workers, device=device, channels_last=channels_last,
+                         prefetch=False, persistent=False)
+        for (x, y), n in zip(loader, counts):
+            yield x, y, n
+
+
+def held_out_split(n: int, fraction: float, *, path: str = "") -> tuple[list[int], list[int]]:
+    """(training items, held-out items) of a data set of n items: a fixed seeded choice of round(n x fraction)."""
+    n_val = round(n * fraction)
+    if n_val < 1 or n_val >= n:
+        raise UsageError(f"data.val_fraction={fraction} of the {n} samples in {path} leaves "
+                         f"{'no held-out' if n_val < 1 else 'no training'} samples; use a fraction between "
+                         f"{1 / n:.3g} and {(n - 1) / n:.3g}, or data.val_path")
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(SPLIT_SEED)).tolist()
+    return sorted(perm[n_val:]), sorted(perm[:n_val])
+
+
+class EpochOrder:
+    """Global sample id -> item index: epoch e = id // n visits the n items in a fresh seeded permutation."""
+
+    def __init__(self, indices: list[int], *, seed: int):
+        self.indices, self.seed = indices, seed
+        self._epoch, self._perm = -1, None
+
+    def __call__(self, ids: range) -> list[SampleIndex]:
+        n = len(self.indices)
+        out = []
+        for i in ids:
+            e = i // n
+            if e != self._epoch:
+                self._epoch = e
+                self._perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000003 + e))
+            out.append(SampleIndex(self.indices[int(self._perm[i % n])], i, self.seed))
+        return out
+
+
+class SyntheticPool:
+    """`size` samples from the workload's example_batch, made once from `seed` on the CPU, kept on the device."""
+
+    def __init__(self, data: Data, *, size: int, seed: int, device: torch.device):
+        gen = torch.Generator().manual_seed(seed)
+        x, y = _check_pair(data.resolved.name, "example_batch", wl.call(
+            f"workload `{data.resolved.name}`: example_batch", data.workload.example_batch, data.settings, size, gen),
+            size)
+        self.x, self.y = x.to(device), y.to(device)
+        self.size = size
 
     def batch(self, ids: range) -> tuple[torch.Tensor, torch.Tensor]:
         # Made on the device: a copy from pageable host memory would stall the CPU until the GPU
         # drained its queue, every micro-step.
         ids_t = torch.arange(ids.start, ids.stop, dtype=torch.int64, device=self.x.device)
         # A fixed scramble so consecutive batches differ even when the pool is small.
-        idx = (ids_t * 40503 + ids_t // self.pool) % self.pool
+        idx = (ids_t * 40503 + ids_t // self.size) % self.size
+        return self.x.index_select(0, idx), self.y.index_select(0, idx)
+
+    def take(self, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.tensor(ids, dtype=torch.int64, device=self.x.device)
         return self.x.index_select(0, idx), self.y.index_select(0, idx)
 
 
-class BadImage(UsageError):
-    """A data file that does not decode; one line naming it.
-
-    Raised in a DataLoader worker, it reaches the main process rebuilt from a message holding the
-    worker's traceback; the constructor keeps only the line that names the file.
-    """
-
-    def __init__(self, message: str):
-        text = str(message)
-        if "Original Traceback" in text:
-            found = re.findall(r"BadImage: (.+)", text)
-            text = found[-1].strip() if found else text.strip().splitlines()[-1]
-        super().__init__(text)
-
-
-def load_image(path: str):
-    """torchvision's default loader, with a decode failure turned into one line naming the file."""
-    from PIL import Image, UnidentifiedImageError
-
-    try:
-        with open(path, "rb") as f:
-            return Image.open(f).convert("RGB")
-    except UnidentifiedImageError:
-        reason = "not an image format PIL knows, or a damaged header"
-        raise BadImage(f"cannot read image {path} ({reason}); fix or remove the file") from None
-    except Exception as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise BadImage(f"cannot read image {path} ({reason}); fix or remove the file") from None
-
-
-def check_imagefolder(path: str, *, num_classes: int) -> None:
-    """An ImageFolder root with a class folder per class, each with at least one image: else UsageError.
-
-    Cheap on big datasets: it stops at the first image of each class. (Whether every file decodes is
-    found when it is read.)"""
-    from torchvision.datasets.folder import IMG_EXTENSIONS
-
-    root = Path(path)
-    try:
-        classes = sorted(e.name for e in os.scandir(root) if e.is_dir())
-    except OSError as e:
-        raise UsageError(f"cannot read data.path {root} ({e.strerror}); point data.path at an ImageFolder "
-                         "root (one sub-folder per class)") from None
-    if not classes:
-        raise UsageError(f"data.path {root} holds no class folders; an ImageFolder root has one sub-folder "
-                         f"per class with the images inside (e.g. {root / 'cat' / '0001.jpg'})")
-    empty = [c for c in classes if not _has_image(root / c, IMG_EXTENSIONS)]
-    if empty:
-        shown = ", ".join(str(root / c) for c in empty[:3]) + (f" and {len(empty) - 3} more" if len(empty) > 3 else "")
-        raise UsageError(f"data.path: class folder {shown} holds no images ({' '.join(IMG_EXTENSIONS)}); add "
-                         "images or remove the folder (every sub-folder of data.path is a class)")
-    if len(classes) > num_classes:
-        raise UsageError(f"data.path {root} has {len(classes)} class folders but workload.num_classes="
-                         f"{num_classes}; set workload.num_classes={len(classes)}")
-
-
-def _has_image(folder: Path, extensions: tuple[str, ...]) -> bool:
-    for _dirpath, _dirs, files in os.walk(folder, followlinks=True):
-        if any(f.lower().endswith(extensions) for f in files):
-            return True
-    return False
-
-
-class ImageFolderData:
-    def __init__(self, wcfg, *, path: str, seed: int):
-        from torchvision import datasets, transforms
-
-        size = wcfg.image_size
-        tf = transforms.Compose([
-            transforms.Resize(size),
-            transforms.CenterCrop(size),
-            transforms.ToTensor(),
-            transforms.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
-        ])
-        try:
-            self.dataset = datasets.ImageFolder(path, transform=tf, loader=load_image)
-        except FileNotFoundError as e:  # checked on rank 0 at start; here if the folder changed since
-            raise UsageError(f"data.path {path}: {e}") from None
-        self.seed = seed
-
-    def ids_to_indices(self, ids: range) -> list[int]:
-        n = len(self.dataset)
-        out, perm, epoch = [], None, -1
-        for i in ids:
-            e = i // n
-            if e != epoch:
-                epoch = e
-                perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000003 + e))
-            out.append(int(perm[i % n]))
-        return out
+def _check_pair(name: str, what: str, pair, n: int):
+    """`what` returned an (x, y) pair of tensors with n samples each: else one line naming the workload."""
+    if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and all(torch.is_tensor(t) for t in pair)):
+        shown = type(pair).__name__ if not isinstance(pair, (tuple, list)) else \
+            f"({', '.join(type(t).__name__ for t in pair)})"
+        raise UsageError(f"workload `{name}`: {what} gave {shown}, not an (x, y) pair of tensors (the sample's "
+                         "input and target; a dataset item (x, y) is collated into one)")
+    x, y = pair
+    if x.dim() == 0 or y.dim() == 0 or x.shape[0] != n or y.shape[0] != n:
+        raise UsageError(f"workload `{name}`: {what} gave x of shape {tuple(x.shape)} and y of shape "
+                         f"{tuple(y.shape)} for {n} samples; the first dimension of both is the sample")
+    return x, y
 
 
 class _BatchSampler:
-    def __init__(self, data: ImageFolderData, *, start: int, micro_batch: int, offset: int, count: int):
-        self.data, self.start, self.mb, self.offset, self.count = data, start, micro_batch, offset, count
+    def __init__(self, order: EpochOrder, *, start: int, micro_batch: int, offset: int, count: int):
+        self.order, self.start, self.mb, self.offset, self.count = order, start, micro_batch, offset, count
 
     def __iter__(self):
         g = 0
         while True:
-            yield self.data.ids_to_indices(sample_ids(g, self.mb, offset=self.offset, count=self.count,
-                                                      base=self.start))
+            yield self.order(sample_ids(g, self.mb, offset=self.offset, count=self.count, base=self.start))
             g += 1
 
 
-def batches(spec: Workload, wcfg, dcfg, *, micro_batch: int, start: int, offset: int, count: int,
-            seed: int, device: torch.device, channels_last: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless iterator of this process's (x, y) micro-batches from global sample id `start` on:
-    `count` samples from position `offset` of each."""
-    if dcfg.kind == "synthetic":
-        data = SyntheticData(spec, wcfg, pool=dcfg.synthetic_pool, seed=seed, device=device)
-
-        def gen():
-            g = 0
-            while True:
-                x, y = data.batch(sample_ids(g, micro_batch, offset=offset, count=count, base=start))
-                yield _format(x, channels_last), y
-                g += 1
-
-        return gen()
-
+def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device, channels_last: bool, prefetch: bool,
+            persistent: bool):
     from torch.utils.data import DataLoader
 
-    folder = ImageFolderData(wcfg, path=dcfg.path, seed=seed)
-    loader = DataLoader(
-        folder.dataset,
-        batch_sampler=_BatchSampler(folder, start=start, micro_batch=micro_batch, offset=offset, count=count),
-        num_workers=dcfg.workers,
-        pin_memory=device.type == "cuda",
-        persistent_workers=dcfg.workers > 0,
-    )
+    if workers:
+        # Many tensors returned by workers exhaust file descriptors under the default strategy (seen on
+        # a GPU host as "Bad file descriptor").
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    loader = DataLoader(ds, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
+                        persistent_workers=persistent and workers > 0)
     it = iter(loader)
+    try:
+        first = next(it)
+    except StopIteration:
+        return iter(())
+    n = len(first[0]) if isinstance(first, (tuple, list)) and first and torch.is_tensor(first[0]) else 0
+    _check_pair(name, "dataset items", first, n)
     # The first batch now, so a file that does not decode is refused before the run writes anything.
-    it = itertools.chain([next(it)], it)
-    if dcfg.prefetch and device.type == "cuda":
+    it = itertools.chain([first], it)
+    if prefetch and device.type == "cuda":
         return CudaPrefetcher(it, device, channels_last)
     return ((_format(x.to(device, non_blocking=True), channels_last), y.to(device, non_blocking=True))
             for x, y in it)

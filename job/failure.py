@@ -36,7 +36,7 @@ FAULT_VAR = "JOB_FAULT"
 STORE_TIMEOUT_S = 3.0  # each store operation on the error path
 ROLL_CALL_S = 3.0  # how long a rank waits for the others to say whether they are alive or failed
 HOST_LINGER_S = 4.0  # how long the rank hosting the store stays so its peers can read it
-USAGE_WAIT_S = 2.0  # how long a rank with bad input waits to see whether rank 0 reported the same
+USAGE_WAIT_S = 5.0  # how long a rank with bad input (or a bug in the user's code) waits for rank 0's same line
 WATCHDOG_S = 20.0  # the error path's own bound: exit even if an abort or the store hangs
 OOM_FIX = "lower train.batch_size, or try train.amp=bf16 or train.activation_checkpointing=true"
 
@@ -84,6 +84,10 @@ def describe(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, SystemExit):
         code = exc.code if isinstance(exc.code, int) else EXIT_CRASH
         return f"exited with code {code}", code
+    from job.workload import describe_user_error, user_frames
+
+    if user_frames(exc):  # raised in the user's workload code: their file and line, not ours
+        return describe_user_error(exc), EXIT_CRASH
     return f"{type(exc).__name__}: {_first_line(exc)} (at {_where(exc)})", EXIT_CRASH
 
 
@@ -159,7 +163,7 @@ def fail(exc: BaseException, *, env, device, timeout_s: float, cleanup=None, log
     if store is not None:
         # A failing host just leaves (its peers then see it gone), unless its peers may be comparing their
         # own bad-input error with its one.
-        if _hosts_store(env) and (collective or isinstance(exc, UsageError)):
+        if _hosts_store(env) and (collective or isinstance(exc, UsageError) or _in_user_code(exc)):
             _linger(store, env, skip=missing)
         else:
             _tell(store, env, "done")  # read what it needed: the store's host may leave
@@ -274,10 +278,17 @@ def _tell(store, env, what: str, text: str = "1") -> None:
         _bounded(lambda: store.set(f"{_prefix()}{what}/{env.rank}", text), STORE_TIMEOUT_S)
 
 
+def _in_user_code(exc: BaseException) -> bool:
+    from job.workload import user_frames
+
+    return bool(user_frames(exc))
+
+
 def _said_by_rank0(store, env, exc: BaseException, line: str) -> bool:
-    """Bad input is usually seen by every rank (the same config, the same checkpoint): a rank other than 0
-    stays quiet when rank 0 reported the very same line."""
-    if store is None or env.rank == 0 or not isinstance(exc, UsageError):
+    """Bad input is usually seen by every rank (the same config, the same checkpoint), and so is a bug in the
+    user's workload code (the same code at the same step): a rank other than 0 stays quiet when rank 0
+    reported the very same line."""
+    if store is None or env.rank == 0 or not (isinstance(exc, UsageError) or _in_user_code(exc)):
         return False
     key = f"{_prefix()}failed/0"
 

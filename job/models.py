@@ -1,68 +1,23 @@
-"""Workloads: the model, its loss, and the shape of one sample.
+"""The built-in workloads' models (job.workloads.* describes them as workloads) and two small helpers.
 
-`tiny` avoids BatchNorm on purpose (GroupNorm instead): with per-sample normalisation, the gradient of
-a batch does not depend on how it is split across cards or micro-steps, so DDP, accumulation and
+`TinyCNN` avoids BatchNorm on purpose (GroupNorm instead): with per-sample normalisation, the gradient of a
+batch does not depend on how it is split across cards or micro-steps, so DDP, accumulation and
 single-process runs can be compared weight for weight in tests. `resnet50` is torchvision's, BatchNorm
-and all, as users run it.
+and all, as users run it. Activation checkpointing is not the models' business: job.recompute wraps the
+blocks a workload names.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    build: Callable[..., nn.Module]
-    loss: Callable[..., torch.Tensor]
-    """loss(output, target, reduction) -> the mean (or sum) over samples."""
-    sample_shape: Callable[..., tuple[int, ...]]
-    """Input shape of one sample, from the workload config."""
-    unit: str
-    """Throughput unit: img or tok."""
-    units_per_sample: Callable[..., int]
-    is_image: bool
-
-
-def _classification_loss(out: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    return F.cross_entropy(out.float(), target, reduction=reduction)
-
-
-def _lm_loss(logits: torch.Tensor, target: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    # Sum over tokens per sample, then mean/sum over samples: "mean over all samples" stays exact
-    # whatever the split, since every sample has seq_len tokens.
-    per_token = F.cross_entropy(logits.float().flatten(0, 1), target.flatten(), reduction="none")
-    per_sample = per_token.view(target.shape).mean(dim=1)
-    return per_sample.mean() if reduction == "mean" else per_sample.sum()
-
-
-class _Checkpointed(nn.Module):
-    """Runs `inner` under activation checkpointing while training (recompute in backward)."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        if self.training and torch.is_grad_enabled():
-            return checkpoint(self.inner, x, use_reentrant=False)
-        return self.inner(x)
-
-
-def _maybe_ckpt(module: nn.Module, enabled: bool) -> nn.Module:
-    return _Checkpointed(module) if enabled else module
 
 
 class TinyCNN(nn.Module):
-    def __init__(self, *, width: int, num_classes: int, activation_checkpointing: bool = False):
+    def __init__(self, *, width: int, num_classes: int):
         super().__init__()
         w = width
 
@@ -73,12 +28,7 @@ class TinyCNN(nn.Module):
                 nn.ReLU(inplace=True),
             )
 
-        ac = activation_checkpointing
-        self.features = nn.Sequential(
-            _maybe_ckpt(block(3, w, 1), ac),
-            _maybe_ckpt(block(w, 2 * w, 2), ac),
-            _maybe_ckpt(block(2 * w, 4 * w, 2), ac),
-        )
+        self.features = nn.Sequential(block(3, w, 1), block(w, 2 * w, 2), block(2 * w, 4 * w, 2))
         self.head = nn.Linear(4 * w, num_classes)
 
     def forward(self, x):
@@ -86,18 +36,6 @@ class TinyCNN(nn.Module):
         return self.head(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
-def build_tiny(w, *, activation_checkpointing: bool = False) -> nn.Module:
-    return TinyCNN(width=w.width, num_classes=w.num_classes, activation_checkpointing=activation_checkpointing)
-
-
-def build_resnet50(w, *, activation_checkpointing: bool = False) -> nn.Module:
-    from torchvision.models import resnet50
-
-    model = resnet50(num_classes=w.num_classes)
-    if activation_checkpointing:
-        for name in ("layer1", "layer2", "layer3", "layer4"):
-            setattr(model, name, _Checkpointed(getattr(model, name)))
-    return model
 
 
 class Block(nn.Module):
@@ -126,12 +64,12 @@ class DecoderLM(nn.Module):
     """GPT-style decoder; the output head is tied to the token embedding."""
 
     def __init__(self, *, vocab: int, seq_len: int, d_model: int, heads: int, layers: int,
-                 dropout: float = 0.0, activation_checkpointing: bool = False):
+                 dropout: float = 0.0):
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model)
         self.pos = nn.Embedding(seq_len, d_model)
         self.blocks = nn.ModuleList(
-            _maybe_ckpt(Block(d_model, heads, dropout), activation_checkpointing) for _ in range(layers)
+            Block(d_model, heads, dropout) for _ in range(layers)
         )
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
@@ -151,20 +89,6 @@ class DecoderLM(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
-
-
-def build_lm(w, *, activation_checkpointing: bool = False) -> nn.Module:
-    return DecoderLM(vocab=w.vocab, seq_len=w.seq_len, d_model=w.d_model, heads=w.heads, layers=w.layers,
-                     dropout=w.dropout, activation_checkpointing=activation_checkpointing)
-
-
-WORKLOADS: dict[str, Workload] = {
-    "tiny": Workload("tiny", build_tiny, _classification_loss,
-                     lambda w: (3, w.image_size, w.image_size), "img", lambda w: 1, True),
-    "resnet50": Workload("resnet50", build_resnet50, _classification_loss,
-                         lambda w: (3, w.image_size, w.image_size), "img", lambda w: 1, True),
-    "lm": Workload("lm", build_lm, _lm_loss, lambda w: (w.seq_len,), "tok", lambda w: w.seq_len, False),
-}
 
 
 def param_count(model: nn.Module) -> int:

@@ -24,11 +24,13 @@ from pathlib import Path
 import torch
 
 from job import checkpoint as ckpt
-from job import failure, launch, memplan, report, rundir
+from job import config, failure, launch, memplan, recompute, report, rundir
+from job import workload as wl
 from job.config import summary
-from job.data import probe_batch
+from job.data import Data
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
-from job.models import WORKLOADS, human, param_count
+from job.evaluate import Evaluator
+from job.models import human, param_count
 from job.strategies import REGISTRY, graphs
 from job.strategies import build as build_strategy
 
@@ -112,7 +114,7 @@ def _chosen_device():
 
 
 def _new_run_id(cfg) -> str:
-    base = f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy.name}-{cfg.workload.name}"
+    base = f"{time.strftime('%Y%m%d-%H%M%S')}-{cfg.strategy.name}-{wl.short_name(cfg.workload.name)}"
     run_id, n = base, 1
     while (Path(cfg.train.run_dir) / run_id).exists():
         n += 1
@@ -162,8 +164,11 @@ def _cap_memory(cap_gb, picked: list[torch.device], count: int) -> None:
 class Trainer:
     def __init__(self, cfg, env: launch.DistEnv):
         self.cfg, self.env = cfg, env
-        t, w = cfg.train, cfg.workload
-        self.spec = WORKLOADS[w.name]
+        t = cfg.train
+        # The workload (job.workload): the user's code or a built-in, found by the name in the config.
+        self.resolved = config.workload_of(cfg)
+        self.workload, self.settings = self.resolved.workload, config.workload_settings(cfg)
+        self.data = Data(self.resolved, self.settings, cfg.data, seed=t.seed)
         multi = REGISTRY[cfg.strategy.name].multi_process
         self.devices = _pick_devices(cfg, env, multi)
         self.device = self.devices[0]
@@ -197,8 +202,11 @@ class Trainer:
         if self.device.type == "cpu":
             self._check_host_memory()
         torch.manual_seed(t.seed)  # same initial weights on every rank
-        model = self.spec.build(w, activation_checkpointing=t.activation_checkpointing)
-        if t.channels_last and self.spec.is_image:
+        model = self._build_model()
+        self.blocks = self._blocks(model)
+        if t.activation_checkpointing:
+            recompute.checkpoint_blocks(self.blocks)
+        if t.channels_last:  # only 4-D (convolution) weights change layout
             model = model.to(memory_format=torch.channels_last)
         self.model = self.strategy.to_device(model)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp == "fp16")
@@ -212,7 +220,7 @@ class Trainer:
         # (its shape may depend on the strategy), RNG last.
         state, resume_path = self._startup_checks()
         self.resumed = resume_path is not None
-        self.strategy.setup(self.model, self.spec.loss, compile=t.compile)
+        self.strategy.setup(self.model, self.workload.loss, compile=t.compile, blocks=self.blocks)
         self.optimizer = self.strategy.build_optimizer(self._optimizer)
         if state is not None:
             self._resume(state, resume_path)
@@ -225,6 +233,9 @@ class Trainer:
                 self.rundir.refused()
             raise
         self.batches = _batches(self)
+        self.evaluator = Evaluator(self.data, self.resolved, cfg.eval, strategy=self.strategy, device=self.device,
+                                   micro_batch=self.micro_batch, channels_last=t.channels_last,
+                                   amp_dtype=_AMP.get(t.amp), steps=t.steps)
         self.clock = _Clock()
         self.peaks_from = 0  # the per-card peaks cover the steps after this one (set by the loop)
         report.card_rows(self.devices, rank=env.rank)  # NVML start-up and card mapping, before any timing
@@ -233,6 +244,34 @@ class Trainer:
             self.telemetry = self._start_telemetry()
 
     # -- building -------------------------------------------------------------------------------
+    def _build_model(self) -> torch.nn.Module:
+        name = self.resolved.name
+        model = wl.call(f"workload `{name}`: model()", self.workload.model, self.settings)
+        if not isinstance(model, torch.nn.Module):
+            raise UsageError(f"workload `{name}`: model() returned a {type(model).__name__}, not a torch.nn.Module; "
+                             "return the model itself")
+        if not any(True for _ in model.parameters()):
+            raise UsageError(f"workload `{name}`: model() returned a {type(model).__name__} with no parameters; "
+                             "there is nothing to train")
+        return model
+
+    def _blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The workload's repeated blocks: fsdp's sharding units and what activation checkpointing wraps."""
+        name = self.resolved.name
+        if self.workload.blocks is None:
+            if self.cfg.train.activation_checkpointing:
+                raise UsageError(f"train.activation_checkpointing=true recomputes the workload's blocks, and workload "
+                                 f"`{name}` names none; give Workload(blocks=lambda model: [...]) or drop it")
+            return []
+        blocks = list(wl.call(f"workload `{name}`: blocks()", self.workload.blocks, model))
+        mine = {id(m) for m in model.modules()}
+        bad = [b for b in blocks if not isinstance(b, torch.nn.Module) or id(b) not in mine]
+        if bad:
+            raise UsageError(f"workload `{name}`: blocks() returned {type(bad[0]).__name__} objects that are not "
+                             "sub-modules of the model it was given; return the model's own blocks (e.g. "
+                             "list(model.layers))")
+        return blocks
+
     def _optimizer(self, params) -> torch.optim.Optimizer:
         t = self.cfg.train
         if t.optimizer == "adamw":
@@ -243,12 +282,11 @@ class Trainer:
     def _plan_memory(self) -> memplan.Plan:
         """Split each micro-batch over the cards from their free memory and the job's measured cost."""
         c, t = self.cfg, self.cfg.train
-        spec, w = self.spec, c.workload
         rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)
         ctx = memplan.Context(
             micro_batch=self.micro_batch, accum_steps=t.accum_steps, margin_gb=c.memory.margin_gb,
-            cap_gb=list(c.memory.cap_gb), loss_fn=spec.loss, amp_dtype=_AMP.get(t.amp), run_dir=self.run_dir,
-            make_batch=lambda b, d: probe_batch(spec, w, b, device=d, channels_last=t.channels_last),
+            cap_gb=list(c.memory.cap_gb), loss_fn=self.workload.loss, amp_dtype=_AMP.get(t.amp),
+            run_dir=self.run_dir, make_batch=lambda b, d: self.data.probe_batch(b, d, channels_last=t.channels_last),
             optimizer_bytes=(lambda params: 0) if self.optimizer.state else
             (lambda params: memplan.optimizer_state_bytes(params, t.optimizer, t.momentum)),
             key=_plan_key(c, self.env.world_size, self.micro_batch),
@@ -311,7 +349,7 @@ class Trainer:
         error = None
         if self.is_main:
             with torch.device("meta"):
-                params = param_count(self.spec.build(c.workload))
+                params = param_count(self._build_model())
             error = memplan.host_shortfall(
                 params=params, optimizer=c.train.optimizer, momentum=c.train.momentum, procs=hosts.count(hosts[0]),
                 shards=self.env.world_size if c.strategy.name == "fsdp" else 1,
@@ -337,10 +375,8 @@ class Trainer:
                     ckpt.check_fits(state, path, self.cfg)
                     ckpt.restore_model(self.model, state, path, self.cfg.workload.name)
                     verdict["path"] = str(path.absolute())  # ranks may run in other directories
-                if self.cfg.data.kind == "imagefolder":
-                    from job.data import check_imagefolder
-
-                    check_imagefolder(self.cfg.data.path, num_classes=self.cfg.workload.num_classes)
+                self.data.check()  # builds the data sets and reads a sample of each
+                self._check_fit()
             except UsageError as e:
                 verdict["error"] = str(e)
                 self.rundir.refused()
@@ -358,6 +394,40 @@ class Trainer:
             state = ckpt.load(path)
             ckpt.restore_model(self.model, state, path, self.cfg.workload.name)
         return state, path
+
+    def _check_fit(self) -> None:
+        """The model's output on three samples fits the workload's loss (and accuracy), and the loss's "sum" is
+        3 x its "mean" (what makes every split exact): one line naming the workload if not, before anything is
+        written. Eval mode and no gradients: no statistic, no RNG moves."""
+        name, w, n = self.resolved.name, self.workload, 3
+        device = next(self.model.parameters()).device  # fsdp's model is still on the CPU here
+        x, y = self.data.probe_batch(n, device, channels_last=self.cfg.train.channels_last)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                out = wl.call(f"workload `{name}`: the model's forward on x of shape {tuple(x.shape)}", self.model, x)
+                shape = tuple(out.shape) if torch.is_tensor(out) else type(out).__name__
+                what = f"workload `{name}`: loss(output of shape {shape}, target of shape {tuple(y.shape)})"
+                values = {}
+                for reduction in ("mean", "sum"):
+                    value = wl.call(f"{what}", w.loss, out, y, reduction=reduction)
+                    if not (torch.is_tensor(value) and value.numel() == 1 and value.is_floating_point()):
+                        raise UsageError(f"{what} with reduction={reduction} gave "
+                                         f"{tuple(value.shape) if torch.is_tensor(value) else type(value).__name__}, "
+                                         "not a floating-point scalar; reduce the per-sample losses to one number")
+                    values[reduction] = float(value)
+                if not math.isclose(values["sum"], n * values["mean"], rel_tol=1e-3, abs_tol=1e-6):
+                    raise UsageError(f"{what}: reduction=sum gave {values['sum']:.6g} and reduction=mean "
+                                     f"{values['mean']:.6g} for {n} samples; sum must be {n} x mean (one loss per "
+                                     "sample, then their sum or mean): does the output's shape fit the target's?")
+                if w.accuracy is not None:
+                    pair = wl.call(f"workload `{name}`: accuracy(output, target)", w.accuracy, out, y)
+                    if not (isinstance(pair, (tuple, list)) and len(pair) == 2):
+                        raise UsageError(f"workload `{name}`: accuracy(output, target) gave {type(pair).__name__}, "
+                                         "not a pair (correct, counted)")
+        finally:
+            self.model.train(was_training)
 
     def _resume(self, state: dict, path: Path) -> None:
         try:
@@ -480,16 +550,19 @@ class Trainer:
             # Not finite: known for free on CPU, and after a device sync (log steps) on GPUs; every save
             # checks again with all ranks before writing.
             bad = self.device.type == "cpu" and not math.isfinite(loss_sum.item())
-            if self.step % log_every == 0 or self.step == t.steps:
+            evaluating = self.evaluator.due(self.step)
+            if self.step % log_every == 0 or self.step == t.steps or evaluating:
                 self._sync()
                 now = time.perf_counter()
                 with self.clock.paused():
                     last_loss = self.strategy.mean(loss_sum.item() / window_steps)
                     bad = bad or not math.isfinite(last_loss)
                     rate = window_steps * samples_per_step / (now - window_start)
-                    self._log_step(last_loss, rate, cards=self.step % card_every == 0 or self.step == t.steps)
+                    val = self.evaluator.run(self.step) if evaluating else None  # weights and RNG left as they were
+                    self._log_step(last_loss, rate, cards=self.step % card_every == 0 or self.step == t.steps,
+                                   val=val)
                 loss_sum.zero_()
-                window_start, window_steps = now, 0
+                window_start, window_steps = time.perf_counter(), 0
             self._bad_loss = self._bad_loss or bad
             if self.telemetry is not None:  # samples this rank trained on, so a sum over ranks is right
                 self.telemetry.observe_step(time.perf_counter() - step_start, rank_samples, last_loss)
@@ -520,17 +593,21 @@ class Trainer:
         rows = report.card_rows(self.devices, rank=self.env.rank, plan_cards=self.strategy.local_cards(self.plan))
         return [r for per_rank in self.strategy.all_gather_object(rows) for r in per_rank]
 
-    def _log_step(self, loss: float, rate: float, *, cards: bool) -> None:
+    def _log_step(self, loss: float, rate: float, *, cards: bool, val: dict | None = None) -> None:
         rows = self._rows()
+        if val is not None and self.telemetry is not None:
+            self.telemetry.observe_validation(val)
         if not self.is_main:
             return
-        unit = self.spec.unit
-        k = self.spec.units_per_sample(self.cfg.workload)
+        unit = self.workload.unit
+        k = self.workload.units(self.settings)
         log.info("step %d/%d  loss %.4f  %s %s/s", self.step, self.cfg.train.steps, loss, f"{rate * k:,.0f}", unit)
         if cards and rows:
             log.info("%s", report.card_line(self.step, rows))
+        if val is not None:
+            log.info("%s", self.evaluator.line(val))
         record = {"step": self.step, "loss": loss, "samples_per_s": rate, f"{unit}_per_s": rate * k,
-                  "time": time.time(), "cards": rows}
+                  "time": time.time(), "cards": rows, **(val or {})}
         self.rundir.append_line("metrics.jsonl", json.dumps(record))
 
     def save_checkpoint(self) -> None:
@@ -618,15 +695,16 @@ class Trainer:
         rows = self._rows()
         if not self.is_main:
             return
-        k = self.spec.units_per_sample(self.cfg.workload)
+        k = self.workload.units(self.settings)
         rate = throughput * k if throughput is not None else None  # units/s
-        unit = self.spec.unit
+        unit = self.workload.unit
         summary_doc = {
             "run_id": self.run_id, "steps": self.step, "strategy": self.cfg.strategy.name,
             "workload": self.cfg.workload.name, "world_size": self.env.world_size,
             "samples_per_s": throughput, f"{unit}_per_s": rate,
             "imbalance": report.imbalance(rows), "params": param_count(self.model),
             "peak_window": [self.peaks_from, self.step],  # peaks: steps after peaks_from up to here
+            "validation": self.evaluator.last,  # the last evaluation's val_loss, val_accuracy, val_samples
             "cards": rows,
         }
         self.rundir.write_text("summary.json", json.dumps(summary_doc, indent=2) + "\n")
@@ -679,13 +757,9 @@ class _Clock:
 
 
 def _batches(tr: Trainer):
-    from job.data import batches
-
-    c = tr.cfg
     offset, count = tr.strategy.share(tr.micro_batch)
-    return batches(tr.spec, c.workload, c.data, micro_batch=tr.micro_batch, start=tr.sample_position,
-                   offset=offset, count=count, seed=c.train.seed, device=tr.device,
-                   channels_last=c.train.channels_last)
+    return tr.data.batches(micro_batch=tr.micro_batch, start=tr.sample_position, offset=offset, count=count,
+                           device=tr.device, channels_last=tr.cfg.train.channels_last, prefetch=tr.cfg.data.prefetch)
 
 
 def _cpu_threads() -> int:

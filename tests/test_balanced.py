@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from job.config import StrategyCfg, WorkloadCfg
+from job import config
+from job.config import StrategyCfg
 from job.errors import UsageError
-from job.models import WORKLOADS
 from job.strategies.balanced import BalancedStrategy, parse_gpu0, split_sizes
 
 
@@ -62,18 +62,16 @@ def _strategy(n: int, gpu0: str, micro: int, threads: bool = False) -> BalancedS
 
 
 def _models(workload: str):
-    w = OmegaConf.structured(WorkloadCfg(name=workload, width=8, image_size=16, layers=2, d_model=32, heads=4,
-                                         vocab=97, seq_len=12))
-    spec = WORKLOADS[workload]
+    small = {"tiny": ["workload.width=8", "workload.image_size=16"],
+             "lm": ["workload.layers=2", "workload.d_model=32", "workload.heads=4", "workload.vocab=97",
+                    "workload.seq_len=12"]}[workload]
+    cfg = config.load([f"workload={workload}", *small])
+    spec, settings = config.workload_of(cfg).workload, config.workload_settings(cfg)
     torch.manual_seed(0)
-    ref = spec.build(w)
+    ref = spec.model(settings)
     torch.manual_seed(0)
-    model = spec.build(w)
-    gen = torch.Generator().manual_seed(1)
-    if spec.is_image:
-        x, y = torch.randn(12, 3, 16, 16, generator=gen), torch.randint(0, 10, (12,), generator=gen)
-    else:
-        x, y = torch.randint(0, 97, (12, 12), generator=gen), torch.randint(0, 97, (12, 12), generator=gen)
+    model = spec.model(settings)
+    x, y = spec.example_batch(settings, 12, torch.Generator().manual_seed(1))
     return spec, ref, model, x, y
 
 
@@ -340,7 +338,7 @@ class _Skip(torch.nn.Module):
         return self.head(h)
 
 
-_seq_ce = WORKLOADS["lm"].loss
+from job.workloads.lm import loss as _seq_ce  # noqa: E402
 
 
 def _train_like_one_process(devices, gpu0: str, dtype=torch.float32, cuda_graphs: bool = False):

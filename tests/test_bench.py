@@ -211,13 +211,14 @@ def test_sigterm_stops_the_current_run_and_writes_what_was_measured(tmp_path):
     (["bench.mode=maxbatch", "bench.maxbatch_steps=1"], "bench.maxbatch_steps=1 must be at least 2"),
     (["bench.maxbatch_precision=1.5"], "bench.maxbatch_precision=1.5 must be in [0, 1)"),
     (["train.device=cpu", "bench.tenant_gb=2"], "bench.tenant_gb=2 holds memory on a CUDA card, and none is visible"),
-    (["workload=lm", "bench.imagefolder=true"], "bench.imagefolder=true needs an image workload"),
+    (["workload=lm", "bench.imagefolder=true"], "bench.imagefolder=true needs a workload that reads data.kind=imagefolder"),
     (["strategies=[balanced-graphs]", "train.device=cpu"], "no strategy in bench.strategies can run with these "
      "settings (balanced-graphs: strategy.cuda_graphs=true needs CUDA cards, and train.device=cpu"),
     (["bench.mode=maxbatch", "bench.maxbatch_key=train.lr"],
      "bench.maxbatch_key=train.lr cannot be searched; choose one of: train.batch_size, workload.layers"),
     (["bench.mode=maxbatch", "bench.maxbatch_key=workload.layers", "workload=tiny"],
-     "bench.maxbatch_key=workload.layers searches the depth of the lm, and the workloads are ['tiny']"),
+     "bench.maxbatch_key=workload.layers searches a workload's depth (its workload.layers setting), and tiny "
+     "has none"),
 ])
 def test_bad_bench_input_is_one_line_exit_2(capsys, tmp_path, args, message):
     from job.__main__ import main

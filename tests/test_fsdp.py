@@ -75,19 +75,23 @@ def test_bf16_through_fsdps_policy_follows_one_process_autocast(tmp_path):
     assert weights.keys() == final_model(tmp_path, "one")["model"].keys()
 
 
-def test_sharding_units_are_the_blocks():
-    from job import config
-    from job.models import WORKLOADS
-    from job.strategies.fsdp import sharding_units
+def test_built_in_blocks_are_the_sharding_units_and_recompute_keeps_the_keys():
+    import torch
+
+    from job import config, recompute
 
     for name, count in (("tiny", 3), ("resnet50", 4), ("lm", 6)):
-        for ac in (False, True):
-            w = config.load([f"workload={name}"]).workload
-            model = WORKLOADS[name].build(w, activation_checkpointing=ac)
-            units = sharding_units(model)
-            assert len(units) == count, (name, ac)
-            # Each unit is a direct child of the model or of its block list, wrapped for recomputation when on.
-            assert all(type(u).__name__ == "_Checkpointed" for u in units) == ac, (name, ac)
+        cfg = config.load([f"workload={name}"])
+        spec, settings = config.workload_of(cfg).workload, config.workload_settings(cfg)
+        with torch.device("meta"):
+            model = spec.model(settings)
+        keys = list(model.state_dict())
+        units = spec.blocks(model)
+        assert len(units) == count, name
+        assert recompute.checkpoint_blocks(units) == count
+        # Recomputed blocks change class, not the module tree: checkpoints are the same with and without.
+        assert all(type(u).__name__.startswith("Recomputed") for u in spec.blocks(model)), name
+        assert list(model.state_dict()) == keys, name
 
 
 def test_checkpoints_move_between_fsdp_ddp_and_one_process(tmp_path):

@@ -169,7 +169,7 @@ def test_resume_is_strategy_independent(tmp_path):
 
 def test_missing_data_path_and_bad_visible_devices(tmp_path):
     p = train(tmp_path, "d", "data.kind=imagefolder", f"data.path={tmp_path / 'none'}")
-    assert p.returncode == 2 and "is not a folder" in p.stderr
+    assert p.returncode == 2 and "does not exist" in p.stderr
     p = train(tmp_path, "d", env={"CUDA_VISIBLE_DEVICES": "0,0"})
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
 

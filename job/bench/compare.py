@@ -149,10 +149,10 @@ def _scaling(runs: list[dict], n: int) -> None:
 
 def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
     """compare: the baseline, the strategies (and their imagefolder rows), repeated; then the telemetry pairs."""
-    from job.models import WORKLOADS
+    from job import config as config_mod
 
     ref_cfg = bench.ref_cfg(workload)
-    spec = WORKLOADS[ref_cfg.workload.name]
+    spec = config_mod.workload_of(ref_cfg).workload
     global_batch = int(ref_cfg.train.batch_size)
     n = bench.cards
     label = "1gpu" if bench.cuda else "1proc"
@@ -172,7 +172,7 @@ def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
     for s in bench.b.strategies:
         plan.append((s, "strategy", s, [], {}))
     images = None
-    if bench.b.imagefolder and spec.is_image:
+    if bench.b.imagefolder and "imagefolder" in spec.kinds():
         images = image_folder(bench.images_dir, bench.b.imagefolder_images, seed=int(ref_cfg.train.seed))
         for s in bench.b.strategies:
             plan.append((f"{s}+imagefolder", "imagefolder", s, _image_args(bench, s, images["path"]), {}))

@@ -185,10 +185,10 @@ def workload_result(workload: str, ref_cfg, *, cards: int, runs: list[dict], sum
                     profiles: list[dict] | None = None) -> dict[str, Any]:
     """One workload's part of bench.json (WORKLOAD_SCHEMA); `ref_cfg` is the workload's config as every run
     starts from it. The fields of the other modes stay empty (summary, comparisons) or None."""
-    from job.models import WORKLOADS
+    from job import config as config_mod
 
-    spec = WORKLOADS[ref_cfg.workload.name]
-    return {"workload": workload, "unit": spec.unit, "units_per_sample": spec.units_per_sample(ref_cfg.workload),
+    spec = config_mod.workload_of(ref_cfg).workload
+    return {"workload": workload, "unit": spec.unit, "units_per_sample": spec.units(config_mod.workload_settings(ref_cfg)),
             "global_batch": int(ref_cfg.train.batch_size), "cards": cards, "runs": runs,
             "summary": summary or [], "comparisons": comparisons or [], "telemetry_overhead": telemetry_overhead,
             "imagefolder": imagefolder, "maxbatch": maxbatch, "profiles": profiles}

@@ -94,20 +94,22 @@ class Bench:
         # Without GPUs, processes stand in for cards: the ddp process count (the user's, else cpu_procs).
         self.cards = self.cuda or int(self.overrides.get("strategy.nprocs") or self.b.cpu_procs)
         self.workloads = list(self.b.workloads) or [preset]  # workload presets, one table each
-        # The registered workload each preset builds (lm-24x384 is an lm).
-        self.kinds = {w: config_mod.load([f"workload={w}"]).workload.name for w in self.workloads}
+        # The workload each preset builds (lm-24x384 is an lm), and its settings' keys.
+        loaded = {w: config_mod.load([f"workload={w}"]) for w in self.workloads}
+        self.kinds = {w: c.workload.name for w, c in loaded.items()}
         if self.b.tenant_gb and not self.cuda:
             raise UsageError(f"bench.tenant_gb={self.b.tenant_gb:g} holds memory on a CUDA card, and none is "
                              "visible; drop bench.tenant_gb or run where a GPU is")
         if self.b.imagefolder and self.b.mode == "compare":
-            from job.models import WORKLOADS
-
-            if not any(WORKLOADS[self.kinds[w]].is_image for w in self.workloads):
-                raise UsageError(f"bench.imagefolder=true needs an image workload, and bench.workloads is "
-                                 f"{self.workloads}; add resnet50 (GPU) or tiny (CPU)")
-        if self.b.mode == "maxbatch" and self.b.maxbatch_key == "workload.layers" and set(self.kinds.values()) != {"lm"}:
-            raise UsageError(f"bench.maxbatch_key=workload.layers searches the depth of the lm, and the workloads "
-                             f"are {self.workloads}; use workload=lm (its width: workload.d_model)")
+            if not any("imagefolder" in config_mod.workload_of(c).workload.kinds() for c in loaded.values()):
+                raise UsageError(f"bench.imagefolder=true needs a workload that reads data.kind=imagefolder, and "
+                                 f"bench.workloads is {self.workloads}; add resnet50 (GPU) or tiny (CPU)")
+        if self.b.mode == "maxbatch" and self.b.maxbatch_key == "workload.layers":
+            flat = [w for w, c in loaded.items() if "layers" not in c.workload]
+            if flat:
+                raise UsageError(f"bench.maxbatch_key=workload.layers searches a workload's depth (its "
+                                 f"workload.layers setting), and {', '.join(flat)} has none; use workload=lm or a "
+                                 "workload of yours with a `layers` setting")
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         self.out = Path(self.b.out or Path(cfg.train.run_dir) / f"bench-{stamp}")
         self.images_dir = Path(self.b.imagefolder_dir or Path(cfg.train.run_dir) / "bench-images")
@@ -249,9 +251,7 @@ class Bench:
         sps = timed_throughput(records, warmup=warmup, total=total, batch=row["batch_size"])
         if sps is None:
             raise ValueError(f"metrics.jsonl has no records for steps {warmup} and {total}")
-        from job.models import WORKLOADS
-
-        k = WORKLOADS[child_cfg.workload.name].units_per_sample(child_cfg.workload)
+        k = config_mod.workload_of(child_cfg).workload.units(config_mod.workload_settings(child_cfg))
         cards = [{key: r.get(key) for key in CARD_SCHEMA["properties"]} for r in summary.get("cards", [])]
         world = int(summary["world_size"])
         window = summary.get("peak_window")

@@ -74,7 +74,7 @@ class BalancedStrategy(Strategy):
             )
 
     # -- setup ------------------------------------------------------------------------------------
-    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
+    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False, blocks=None) -> None:
         super().setup(model, loss_fn)
         self.replicas = [model] + [copy.deepcopy(model).to(d) for d in self.devices[1:]]
         if compile:
@@ -166,6 +166,10 @@ class BalancedStrategy(Strategy):
             for i, s in sd["state"].items():
                 state[k * n + int(i)] = {key: (v.clone() if torch.is_tensor(v) else v) for key, v in s.items()}
         opt.load_state_dict({"state": state, "param_groups": groups})
+
+    def set_training(self, mode: bool) -> None:
+        for r in self.replicas:
+            r.train(mode)
 
     def _plain_replicas(self) -> list[nn.Module]:
         return [getattr(r, "_orig_mod", r) for r in self.replicas]

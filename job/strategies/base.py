@@ -72,9 +72,19 @@ class Strategy:
         """Where the freshly built model goes before checkpoint weights are loaded into it and `setup`."""
         return model.to(self.device)
 
-    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
+    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False, blocks: list[nn.Module] | None = None
+              ) -> None:
+        """`blocks`: the workload's repeated sub-modules (fsdp shards each on its own)."""
         self.module, self.loss_fn = model, loss_fn
         self.forward = torch.compile(model) if compile else model
+
+    def set_training(self, mode: bool) -> None:
+        """Train or eval mode for every copy of the model this process runs (validation switches it)."""
+        self.module.train(mode)
+
+    def eval_output(self, x: torch.Tensor):
+        """The model's output for a held-out batch (no gradients; validation, job.evaluate)."""
+        return self.forward(x)
 
     def build_optimizer(self, factory):
         """`factory(params)` builds the configured optimizer; strategies with replicas widen `params`."""

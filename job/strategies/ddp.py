@@ -44,7 +44,7 @@ class DDPStrategy(Strategy):
         sizes = self.sizes or memplan.even_split(micro_batch, self.world_size)
         return sum(sizes[: self.rank]), sizes[self.rank]
 
-    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
+    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False, blocks=None) -> None:
         super().setup(model, loss_fn)
         self.compile = compile
         # DDP wraps the model after the memory plan (plan_memory): probes then measure the gradients

@@ -22,7 +22,7 @@ class DataParallelStrategy(Strategy):
     def check(self, *, micro_batch: int) -> None:
         check_at_least_one_per_card(self.name, micro_batch, len(self.devices))
 
-    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
+    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False, blocks=None) -> None:
         super().setup(model, loss_fn, compile=compile)
         if self.device.type == "cuda" and len(self.devices) > 1:
             disable_cudnn_autotune(self.name, self.devices)

@@ -4,7 +4,7 @@ One process per card, started like `ddp` (plain command, torchrun, Slurm, Kubern
 1/world of every parameter, of its gradient and of the optimizer state; a block's full weights exist only
 while that block runs (all-gathered before its forward and again before its backward, freed after), and
 gradients are reduce-scattered as each block's backward ends. The sharding unit is one block of the model
-(`sharding_units`): a transformer block of `lm`, a stage (layer1-4) of `resnet50`, a conv block of `tiny`;
+(the workload's `blocks`, job.workload): a transformer block of `lm`, a stage (layer1-4) of `resnet50`, a conv block of `tiny`;
 what is left (embeddings, head, norms) is the root unit.
 
 - The model stays on the CPU until `setup` (`to_device`): `fully_shard` moves each unit to the card as it
@@ -41,20 +41,6 @@ from job.errors import UsageError
 from job.strategies.ddp import DDPStrategy
 
 log = logging.getLogger("job")
-
-
-def sharding_units(model: nn.Module) -> list[nn.Module]:
-    """The blocks each sharded on their own (the root unit holds the rest)."""
-    from job.models import DecoderLM, TinyCNN
-
-    if isinstance(model, DecoderLM):
-        return list(model.blocks)
-    if isinstance(model, TinyCNN):
-        return list(model.features)
-    stages = [getattr(model, f"layer{i}", None) for i in range(1, 5)]  # torchvision's ResNet
-    if all(isinstance(s, nn.Module) for s in stages):
-        return stages
-    return []
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -104,7 +90,7 @@ class FSDPStrategy(DDPStrategy):
         sits on one card (only one unit's full weights at a time, while it is being sharded)."""
         return model
 
-    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False) -> None:
+    def setup(self, model: nn.Module, loss_fn, *, compile: bool = False, blocks=None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -115,12 +101,16 @@ class FSDPStrategy(DDPStrategy):
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                   if self.amp == "bf16" else MixedPrecisionPolicy())
-        units = sharding_units(model)
+        units = list(blocks or [])
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         log.info("fsdp: %d sharding units + the root over %d ranks; parameters%s", len(units), self.world_size,
                  " all-gathered in bf16, gradients reduced in float32" if self.amp == "bf16" else " in float32")
+        if not units and self.is_main:
+            log.warning("fsdp: the workload names no blocks, so the whole model is one sharding unit: its full "
+                        "weights are gathered for every forward and backward; give Workload(blocks=...) to shard "
+                        "block by block")
         self.forward = torch.compile(model) if compile else model
 
     def _wrap(self) -> None:  # sharded in setup: the optimizer must see the sharded parameters
@@ -140,6 +130,10 @@ class FSDPStrategy(DDPStrategy):
         memplan.apply_fixed(plan, sizes)
         self.sizes = plan.sizes
         return plan
+
+    def eval_output(self, x):
+        with torch.autocast(self.device.type, enabled=False):  # FSDP's policy casts (as in loss)
+            return self.forward(x)
 
     def loss(self, x, y):
         """As ddp: this rank's loss sum x world / micro-batch (FSDP averages gradients over the ranks)."""

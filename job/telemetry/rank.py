@@ -125,6 +125,10 @@ class TrainingTelemetry:
         self._last_progress = time.monotonic()
         self.training.observe(seconds, samples, loss)
 
+    def observe_validation(self, val: dict) -> None:
+        """The last evaluation of the held-out data (job.evaluate)."""
+        self.training.observe_validation(val)
+
     def close(self) -> None:
         if self._registration is not None:
             self._registration.unlink(missing_ok=True)

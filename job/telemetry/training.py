@@ -22,6 +22,7 @@ class TrainingCollector:
         self._sum = 0.0
         self._samples = 0
         self._loss: float | None = None
+        self._val: dict | None = None  # the last evaluation (job.evaluate)
 
     def observe(self, seconds: float, samples: int, loss: float | None) -> None:
         i = 0
@@ -34,11 +35,16 @@ class TrainingCollector:
             if loss is not None:
                 self._loss = float(loss)
 
+    def observe_validation(self, val: dict) -> None:
+        """The last evaluation of the held-out data: val_loss, val_accuracy (or None), val_samples."""
+        with self._lock:
+            self._val = dict(val)
+
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
         with self._lock:
-            counts, total, samples, loss = list(self._buckets), self._sum, self._samples, self._loss
+            counts, total, samples, loss, val = list(self._buckets), self._sum, self._samples, self._loss, self._val
         row = [self.labels[k] for k in RANK_LABELS]
         cumulative, running = [], 0
         for bound, n in zip((*STEP_BUCKETS, float("inf")), counts, strict=True):
@@ -54,6 +60,19 @@ class TrainingCollector:
         if loss is not None:
             g = GaugeMetricFamily("trainjob_loss", "Training loss at the last logged step.", labels=RANK_LABELS)
             g.add_metric(row, loss)
+            yield g
+        if val is not None:
+            g = GaugeMetricFamily("trainjob_val_loss", "Mean loss over the held-out samples at the last evaluation "
+                                  "(the same value on every rank).", labels=RANK_LABELS)
+            g.add_metric(row, val["val_loss"])
+            yield g
+            if val.get("val_accuracy") is not None:
+                g = GaugeMetricFamily("trainjob_val_accuracy", "Accuracy (ratio) over the held-out data at the last "
+                                      "evaluation, as the workload defines it.", labels=RANK_LABELS)
+                g.add_metric(row, val["val_accuracy"])
+                yield g
+            g = GaugeMetricFamily("trainjob_val_step", "Optimizer step of the last evaluation.", labels=RANK_LABELS)
+            g.add_metric(row, float(val["step"]))
             yield g
         info = GaugeMetricFamily("trainjob_info", "The run's configuration summary (value always 1).",
                                  labels=list(self.info))
