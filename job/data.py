@@ -95,8 +95,7 @@ class Data:
             return
         for ds, indices in [s for s in (self.train_set(), self.val_set()) if s is not None]:
             wl.call(f"workload `{self.resolved.name}`: dataset[{indices[0]}]", ds.__getitem__,
-                        SampleIndex(indices[0], 0, self.seed))
-        self._train = None  # the training stream builds its own (and DataLoader workers copy it)
+                    SampleIndex(indices[0], 0, self.seed))
 
     # -- the memory plan's probes, and the check that the model's output fits its loss ------------------
     def probe_batch(self, n: int, device: torch.device, *, channels_last: bool):

@@ -35,7 +35,7 @@ def tokens(tmp_path_factory):
 def _train(tmp, run_id, *args):
     p = subprocess.run(job_cmd("train", f"train.run_dir={tmp}", f"train.run_id={run_id}", *args), cwd=tmp,
                        capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": str(GPT)})
+                       env={**os.environ, "PYTHONPATH": os.pathsep.join([str(GPT), str(ROOT), os.environ.get("PYTHONPATH", "")])})
     assert p.returncode == 0, p.stderr[-4000:]
     return p, json.loads((tmp / run_id / "summary.json").read_text())
 

@@ -50,7 +50,8 @@ def example_args(name: str, d: Path) -> list[str]:
 def run(tmp: Path, example: str | None, *args: str, env=None, timeout=300) -> subprocess.CompletedProcess:
     """`python -m job train ...` from `tmp` (not the repo), with the example's folder on PYTHONPATH."""
     path = [str(EXAMPLES / example)] if example else [str(FIXTURES)]
-    environ = {**os.environ, "PYTHONPATH": os.pathsep.join(path), **(env or {})}
+    environ = {**os.environ, **(env or {})}
+    environ["PYTHONPATH"] = os.pathsep.join([*path, *([environ["PYTHONPATH"]] if environ.get("PYTHONPATH") else [])])
     return subprocess.run(job_cmd("train", f"train.run_dir={tmp / 'runs'}", *args), cwd=tmp, capture_output=True,
                           text=True, timeout=timeout, env=environ)
 
