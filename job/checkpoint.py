@@ -84,11 +84,15 @@ class _Recorder:
 
 
 def save(folder: Path, step: int, state: dict, *, keep: int) -> Path:
+    """Write `state` as the checkpoint of `step`, then delete all but the newest `keep`. Any OSError of the
+    write (disk full, quota, I/O error, too many open files) is `WriteFailed` and leaves the checkpoints as
+    they were. The file is created 0600, never through a symlink."""
     final = path_for(folder, step)
     tmp = temp_path(final)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
             out = _Recorder(f)
             try:
                 torch.save({"format": FORMAT_VERSION, **state}, out)
@@ -113,8 +117,12 @@ def save(folder: Path, step: int, state: dict, *, keep: int) -> Path:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
-    for old in list_checkpoints(folder)[:-keep]:
-        old.unlink(missing_ok=True)
+    try:  # the new one is in place: an old one that cannot be deleted now is deleted by a later save
+        for old in list_checkpoints(folder)[:-keep]:
+            old.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("could not delete older checkpoints in %s (%s); they are deleted at the next checkpoint",
+                    folder, e.strerror or e)
     return final
 
 
