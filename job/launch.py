@@ -25,6 +25,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -386,6 +387,9 @@ def spawn(cfg, nprocs: int) -> int:
     listener = _listener()
     port = listener.getsockname()[1]
     lo = loopback_interface()
+    # The ranks' telemetry registrations: a private folder nobody else can predict or create first.
+    peer_dir = tempfile.mkdtemp(prefix="trainjob-telemetry-") if cfg.telemetry.port and not cfg.telemetry.peer_dir \
+        else None
     procs = []
     try:
         for rank in range(nprocs):
@@ -394,6 +398,8 @@ def spawn(cfg, nprocs: int) -> int:
             env[LAUNCHER_VAR] = str(os.getpid())
             if lo:  # gloo's sockets on loopback too, whatever the host name resolves to
                 env["GLOO_SOCKET_IFNAME"] = lo
+            if peer_dir:
+                env["TRAINJOB_PEER_DIR"] = peer_dir
             fds = (cfg_fd, listener.fileno()) if rank == 0 else (cfg_fd,)
             if rank == 0:
                 env[STORE_FD_VAR] = str(listener.fileno())
@@ -427,6 +433,8 @@ def spawn(cfg, nprocs: int) -> int:
                 p.wait()
         listener.close()
         os.close(cfg_fd)
+        if peer_dir:
+            shutil.rmtree(peer_dir, ignore_errors=True)
         if cfg_tmp is not None:
             os.unlink(cfg_tmp)
     if all(c == EXIT_OK for c in codes):
