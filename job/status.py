@@ -76,9 +76,9 @@ def write_record(job, *, executor: str, tasks: int, run_id: str, run_dir: Path) 
     folder.mkdir(parents=True, exist_ok=True)
     doc = {"job_id": str(job.job_id), "executor": executor, "tasks": tasks, "run_id": run_id,
            "run_dir": str(run_dir), "submitted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    tmp = folder / f".{RECORD}.tmp.{os.getpid()}"
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(folder / RECORD)
+    from job.rundir import write_atomic
+
+    write_atomic(folder / RECORD, json.dumps(doc, indent=2) + "\n")  # 0600, never through a link
 
 
 def _job_folder(template: Path, job_id: str) -> Path:
