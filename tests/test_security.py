@@ -158,7 +158,7 @@ def test_slow_clients_and_a_connection_flood_do_not_hurt_the_run(tmp_path):
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))  # this test's own clients
     port = free_port()
     run = tmp_path / "flood"
-    proc = subprocess.Popen(job_cmd("train", *SMALL, "strategy=dp", "train.steps=3000", "train.log_every=50",
+    proc = subprocess.Popen(job_cmd("train", *SMALL, "strategy=dp", "train.steps=2000", "train.log_every=50",
                                     "train.checkpoint_every=100", f"train.run_dir={tmp_path}", "train.run_id=flood",
                                     f"telemetry.port={port}"),
                             cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -171,7 +171,7 @@ def test_slow_clients_and_a_connection_flood_do_not_hurt_the_run(tmp_path):
             s = socket.create_connection(("127.0.0.1", port), timeout=5)
             s.sendall(b"GET /metrics HTTP/1.1\r\n")
             slow.append(s)
-        deadline = time.monotonic() + 4
+        deadline = time.monotonic() + 2.5
         while time.monotonic() < deadline:
             for s in list(slow):  # one header line each half second: no read waits long enough to time out
                 try:
@@ -195,8 +195,8 @@ def test_slow_clients_and_a_connection_flood_do_not_hurt_the_run(tmp_path):
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     assert "Too many open files" not in err and "cannot write" not in err, err
-    assert metric_lines(run) == 3000 // 50
-    assert (run / "checkpoints" / "step_00003000.pt").is_file()
+    assert metric_lines(run) == 2000 // 50
+    assert (run / "checkpoints" / "step_00002000.pt").is_file()
 
 
 # -- strings that reach a script, a file name or a label ----------------------------------------------------
