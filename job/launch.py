@@ -237,14 +237,18 @@ def _is_loopback(addr: str) -> bool:
 
 def _loopback_store(env: DistEnv, timeout_s: float):
     """The job's TCPStore, bound to MASTER_ADDR's loopback address only; None where torch's own rendezvous
-    stays in charge (a MASTER_ADDR other ranks reach over the network, or torchrun's agent store).
+    stays in charge (ranks on several hosts, a MASTER_ADDR that is not loopback, or torchrun's agent store).
 
     torch's env:// rendezvous binds the store on every interface whatever MASTER_ADDR says; a job whose ranks
     all meet on loopback needs none of them."""
     import torch.distributed as dist
 
     addr, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not _is_loopback(addr):
+    # Every rank on this host (LOCAL_WORLD_SIZE = WORLD_SIZE): only then is loopback enough. A name that
+    # resolves to loopback on rank 0's node alone (Debian maps the host name to 127.0.1.1) is reached by other
+    # nodes at its real address: torch's rendezvous then binds as it always did.
+    one_host = os.environ.get("LOCAL_WORLD_SIZE") == str(env.world_size)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not one_host or not _is_loopback(addr):
         return None
     timeout = timedelta(seconds=timeout_s)
     if env.rank != 0:
