@@ -1,5 +1,11 @@
 # The Makefile mirrors CI: `make test` is exactly what .ci/run runs after installing system packages.
 SHELL := /bin/bash
+# The variables below are settings given on make's command line (`make submit TIME=30`). Short names such as
+# TIME (GNU time's output format), NODES, JOB or RUN are also common environment variables: a value that
+# comes from the environment is ignored, never passed on as a setting (`TIME='%E real' make submit` must not
+# become submit.timeout_min=%E real). docs/security.md.
+CLI_VARS := STRATEGY ARGS PYTHON VENV GPUS NODES PARTITION TIME ACCOUNT QOS EXECUTOR JOB RUN FOLLOW IMAGE SERVICES
+$(foreach v,$(CLI_VARS),$(if $(filter environment environment\ override,$(origin $(v))),$(eval undefine $(v))))
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python

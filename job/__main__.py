@@ -31,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     try:
         # Before anything can start CUDA: device order and CUDA_VISIBLE_DEVICES are fixed here.
-        from job import devices
+        from job import devices, launch
 
+        launch.raise_open_file_limit()
         devices.prepare_environment()
         if command == "export":
             from job.telemetry import export_main

@@ -109,8 +109,10 @@ class TrainCfg:
     """Run directory name under run_dir; empty: a new timestamped id. Reuse an id to resume; while a run
     holds its id (a lock in its directory, freed when it ends, even by kill -9), a second one is refused."""
     resume: str = "auto"
-    """auto (latest checkpoint of this run id, if any) | never | path to a checkpoint file. Chosen by
-    rank 0 for every rank; loaded as tensors and plain data only (a file holding other objects is refused)."""
+    """auto (latest checkpoint of this run id, if any) | never (start from step 0; refused if the run id
+    already holds a run) | overwrite (start from step 0, replacing that run's checkpoints and metrics) | path
+    to a checkpoint file. Chosen by rank 0 for every rank; loaded as tensors and plain data only (a file
+    holding other objects is refused)."""
     checkpoint_every: int = 100
     """Write a checkpoint every N steps (0: only at the end and on interruption). A write that fails
     (disk full) stops the run: exit 75 if an earlier checkpoint is kept, else 1."""
@@ -586,6 +588,8 @@ def validate(cfg) -> None:
     """Checks that need more than the schema's types; each failure names the fix."""
     from omegaconf import OmegaConf
 
+    _check_strings(cfg)  # first: every later check reads values, and an interpolation may not resolve
+
     for key, choices in CHOICES.items():
         value = OmegaConf.select(cfg, key)
         if value not in choices:
@@ -770,3 +774,74 @@ def summary(cfg) -> dict[str, str]:
         "accum_steps": str(cfg.train.accum_steps),
         "amp": cfg.train.amp,
     }
+
+
+# -- values that reach scripts, file names and labels (docs/security.md) -----------------------------------
+# C0 controls, DEL, and what Python's splitlines and YAML also take for a line break: a newline in
+# submit.folder wrote lines of its own into the sbatch script; in a run id, a directory named with a newline.
+_CONTROL = __import__("re").compile("[\x00-\x1f\x7f\x85\u2028\u2029]")
+NAME_MAX = 255  # bytes in one file name (ext4, xfs, btrfs, NFS)
+PATH_MAX = 4096  # bytes in a path (Linux)
+# The longest name the trainer makes in a run directory: checkpoints/.step_XXXXXXXX.pt.tmp.<pid>.
+_LONGEST_RUN_FILE = len("/checkpoints/.step_00000000.pt.tmp.4194304")
+
+
+def _check_strings(cfg) -> None:
+    """Every value resolves (an interpolation naming a missing key is one line, not OmegaConf's exception);
+    no string holds a control character; train.run_id and train.run_dir can be names on disk."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    raw = OmegaConf.to_container(cfg, resolve=False)
+    for key in _leaf_keys(raw):
+        try:
+            value = OmegaConf.select(cfg, key)
+            if OmegaConf.is_config(value):
+                value = OmegaConf.to_container(value, resolve=True)
+        except OmegaConfBaseException as e:
+            written = raw
+            for part in key.split("."):
+                written = written.get(part) if isinstance(written, dict) else written
+            raise UsageError(f"`{key}={written}` cannot be resolved ({_first_line(e)}); write the value itself, or "
+                             "interpolate a key that exists, e.g. ${train.run_dir}") from None
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and (m := _CONTROL.search(item)):
+                shown = item if len(item) <= 60 else item[:57] + "..."
+                raise UsageError(f"`{key}` holds a control character ({m.group()!r} in {shown!r}); it would reach "
+                                 "a script, a file name or a label: remove it")
+    _check_run_path(cfg.train.run_dir, cfg.train.run_id)
+
+
+def _leaf_keys(node: dict, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in node.items():
+        out += _leaf_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}"]
+    return out
+
+
+def _check_run_path(run_dir: str, run_id: str) -> None:
+    """The run directory `<run_dir>/<run_id>` can be made: names short enough, no file in the way."""
+    if run_id and len(run_id.encode()) > NAME_MAX:
+        raise UsageError(f"train.run_id is {len(run_id.encode())} bytes long and a file name holds at most "
+                         f"{NAME_MAX}; use a shorter run id")
+    path = Path(run_dir).expanduser().absolute()
+    for part in path.parts:
+        if len(part.encode()) > NAME_MAX:
+            raise UsageError(f"train.run_dir has a folder name of {len(part.encode())} bytes (`{part[:40]}...`) and a "
+                             f"file name holds at most {NAME_MAX}; use a shorter train.run_dir")
+    longest = len(str(path).encode()) + 1 + len((run_id or "x" * 64).encode()) + _LONGEST_RUN_FILE
+    if longest > PATH_MAX:
+        raise UsageError(f"train.run_dir is {len(str(path).encode())} bytes long: with the run id and "
+                         f"`{_LONGEST_RUN_FILE} bytes of checkpoints/...` its files' paths reach {longest} bytes, "
+                         f"above the system's {PATH_MAX}; use a shorter train.run_dir")
+    target = path / run_id if run_id else None
+    if target is not None and target.exists() and not target.is_dir():
+        raise UsageError(f"the run directory {target} is a file, not a folder; pick another train.run_id or "
+                         "train.run_dir")
+    p = path
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    if not p.is_dir():
+        where = f"{path} is a file" if p == path else f"{path} cannot be made: {p} is a file"
+        raise UsageError(f"train.run_dir {where}, not a folder; set train.run_dir to a folder (or a path where one "
+                         "can be made)")

@@ -16,6 +16,7 @@ stops itself (`stop`: SIGSTOP, a hung rank) or turns its loss into NaN (`nan`). 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -71,6 +72,9 @@ def describe(exc: BaseException) -> tuple[str, int]:
 
     if isinstance(exc, UsageError):
         return str(exc), EXIT_USAGE
+    unresolved = _unresolved(exc)
+    if unresolved:
+        return unresolved, EXIT_USAGE
     if isinstance(exc, RendezvousError):
         return str(exc), EXIT_CRASH
     if isinstance(exc, torch.OutOfMemoryError) or (
@@ -89,6 +93,18 @@ def describe(exc: BaseException) -> tuple[str, int]:
     if user_frames(exc):  # raised in the user's workload code: their file and line, not ours
         return describe_user_error(exc), EXIT_CRASH
     return f"{type(exc).__name__}: {_first_line(exc)} (at {_where(exc)})", EXIT_CRASH
+
+
+def _unresolved(exc: BaseException) -> str:
+    """A config interpolation that did not resolve where a value was read before validation could name it."""
+    try:
+        from omegaconf.errors import InterpolationResolutionError
+    except ImportError:
+        return ""
+    if not isinstance(exc, InterpolationResolutionError):
+        return ""
+    return (f"`{exc.full_key or '?'}` cannot be resolved ({_first_line(exc)}); write the value itself, or "
+            "interpolate a key that exists, e.g. ${train.run_dir}")
 
 
 def is_collective_error(exc: BaseException) -> bool:
@@ -206,21 +222,40 @@ def traceback_note(exc: BaseException, *, rank: int, log_dir: Path | None) -> st
 
     from job.launch import RendezvousError
 
-    if isinstance(exc, (UsageError, RendezvousError, torch.OutOfMemoryError, KeyboardInterrupt, SystemExit)):
+    if isinstance(exc, (UsageError, RendezvousError, torch.OutOfMemoryError, KeyboardInterrupt, SystemExit)) \
+            or _unresolved(exc):
         return ""
     text = "".join(traceback.format_exception(exc))
     try:
-        if log_dir is not None and log_dir.is_dir():
-            path = log_dir / f"rank{rank}-error.txt"
-        else:  # failed before the run directory existed
-            import tempfile
-
-            path = Path(tempfile.gettempdir()) / f"job-rank{rank}-error-{os.getpid()}.txt"
-        path.write_text(text)
-        return f"; traceback: {path}"
+        return f"; traceback: {write_traceback(text, rank=rank, log_dir=log_dir)}"
     except OSError:
         sys.stderr.write(text)
         return ""
+
+
+def write_traceback(text: str, *, rank: int, log_dir: Path | None) -> Path:
+    """`rank<N>-error.txt` in the run directory (this rank's, or the one this process holds), else in a new
+    private folder of the temp folder (mkdtemp: unpredictable, 0700); created exclusively, 0600, never through
+    a symlink (docs/security.md)."""
+    from job import rundir
+
+    folder = log_dir if log_dir is not None else rundir.held_dir()
+    if folder is not None:
+        try:
+            rundir.check_private(folder)
+        except (UsageError, OSError):
+            folder = None
+    if folder is None or not folder.is_dir():
+        import tempfile
+
+        folder = Path(tempfile.mkdtemp(prefix=f"job-rank{rank}-error-"))
+    path = folder / f"rank{rank}-error.txt"
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()  # an earlier crash's (ours: the folder is private)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def _store(env):

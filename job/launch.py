@@ -6,6 +6,13 @@
   (the resolved config passed as a file, so every rank sees the same run id), forwards SIGTERM/SIGINT/
   SIGUSR1/SIGUSR2 to the ranks and returns 0, 75, or the code of the rank that failed first.
 
+Exposure (docs/security.md): the rendezvous store (c10d's TCPStore, unauthenticated: whoever reaches it can
+make the ranks run code) of a job whose MASTER_ADDR is a loopback address listens on that address only, not
+on every interface: `spawn` binds it on 127.0.0.1 itself (no window between picking a free port and binding
+it) and hands the listening socket to rank 0; gloo is kept on the loopback interface too. The resolved
+config reaches the ranks through an anonymous in-memory file (nothing left in the temp folder by a launcher
+that is killed).
+
 Failure (docs/failures.md): the ranks of a spawned job run in their own session (a terminal's Ctrl-C reaches
 the launcher once, which forwards it once) and die with the launcher (PR_SET_PDEATHSIG, plus each rank
 watching its parent); when one rank fails the launcher gives the others a few seconds to leave on their own,
@@ -18,6 +25,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,6 +123,67 @@ def nprocs_for(cfg, cuda_count: int) -> int:
     return cuda_count if cuda_count and cfg.train.device != "cpu" else 1
 
 
+GB = 1e9
+
+
+def raise_open_file_limit() -> None:
+    """Soft RLIMIT_NOFILE up to the hard limit, as every process of the job starts: the soft default (often
+    256 or 1024) is what a process gets without asking, not what the system allows, and a job's sockets,
+    data workers and checkpoint writes share it (docs/security.md)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = hard if hard != resource.RLIM_INFINITY else 1 << 20
+        if soft != resource.RLIM_INFINITY and soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def _cuda_count(cfg) -> int:
+    """CUDA cards the ranks of a plain command would use (0 on the CPU)."""
+    if cfg.train.device == "cpu":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _rss_bytes() -> int | None:
+    """This process's resident memory (the launcher has imported torch, as every rank will)."""
+    try:
+        return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def check_host(nprocs: int, *, cuda_count: int, backend: str, available: int | None = None,
+               per_rank: int | None = None) -> None:
+    """Before a plain command starts `nprocs` ranks: refuse, with the arithmetic, what they cannot do here
+    (UsageError): nccl without a card, more ranks than cards, more ranks than the host's memory holds (the
+    kernel would kill them all minutes later without a line)."""
+    if backend == "nccl" and cuda_count == 0:
+        raise UsageError("strategy.backend=nccl needs a CUDA card per rank and this run has none (no card "
+                         "visible, or train.device=cpu); use strategy.backend=auto or gloo")
+    if cuda_count > 1 and nprocs > cuda_count:
+        raise UsageError(f"strategy.nprocs={nprocs} starts one rank per card but {cuda_count} CUDA cards are "
+                         f"visible; use strategy.nprocs={cuda_count} or fewer (0: one per card)")
+    if available is None:
+        from job.memplan import available_host_bytes
+
+        available = available_host_bytes()
+    per_rank = _rss_bytes() if per_rank is None else per_rank
+    if available is None or not per_rank or nprocs * per_rank <= available:
+        return
+    fit = max(1, int(available // per_rank))
+    raise UsageError(
+        f"strategy.nprocs={nprocs} ranks need at least {nprocs} x {per_rank / GB:.2f} GB = "
+        f"{nprocs * per_rank / GB:.1f} GB of host memory (each rank is a Python process with torch, as this "
+        f"launcher is, before its model and data) but {available / GB:.1f} GB is available; use "
+        f"strategy.nprocs={fit} or fewer")
+
+
 class RendezvousError(Exception):
     """The ranks did not meet (one line, exit 1): a rank missing, or MASTER_ADDR/MASTER_PORT wrong."""
 
@@ -126,22 +195,89 @@ def init_group(env: DistEnv, *, backend: str, device, timeout_s: float) -> None:
     if env.world_size == 1 or dist.is_initialized():
         return
     check_master()
+    if backend == "nccl" and getattr(device, "type", None) != "cuda":
+        raise UsageError(f"strategy.backend=nccl needs a CUDA card per rank, and rank {env.rank} runs on the CPU; "
+                         "use strategy.backend=auto or gloo")
     kw = {"device_id": device} if backend == "nccl" else {}
     # c10d prints a C++ stack for every failed connection attempt: held back, and shown only if the
     # rendezvous succeeds (then it is a warning worth seeing); a failure is the one line below.
     with _stderr_held() as held:
         try:
+            store = _loopback_store(env, timeout_s)
+            if store is not None:
+                kw["store"] = store
             dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size,
                                     timeout=timedelta(seconds=timeout_s), **kw)
-        except (RuntimeError, ValueError) as e:
+        except (RuntimeError, ValueError, OSError) as e:
             held.drop()
-            reason = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
+            text = getattr(e, "strerror", None) or str(e).strip()
+            reason = text.splitlines()[0].rstrip(".") if text else type(e).__name__
             where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             raise RendezvousError(
                 f"the {env.world_size} ranks did not meet at {where} within strategy.timeout_s={timeout_s:g} s "
                 f"({reason}); check that every rank started and that MASTER_ADDR/MASTER_PORT name rank 0's host "
                 "and a free port"
             ) from None
+
+
+STORE_FD_VAR = "TRAINJOB_STORE_FD"  # spawn -> rank 0: the listening socket of the rendezvous store
+
+
+def _is_loopback(addr: str) -> bool:
+    """MASTER_ADDR names this host's loopback (an address in 127.0.0.0/8 or ::1, or a name resolving only to
+    such addresses)."""
+    import ipaddress
+
+    try:
+        infos = socket.getaddrinfo(addr, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback for i in infos)
+
+
+def _loopback_store(env: DistEnv, timeout_s: float):
+    """The job's TCPStore, bound to MASTER_ADDR's loopback address only; None where torch's own rendezvous
+    stays in charge (ranks on several hosts, a MASTER_ADDR that is not loopback, or torchrun's agent store).
+
+    torch's env:// rendezvous binds the store on every interface whatever MASTER_ADDR says; a job whose ranks
+    all meet on loopback needs none of them."""
+    import torch.distributed as dist
+
+    addr, port = os.environ.get("MASTER_ADDR", ""), int(os.environ.get("MASTER_PORT", "0"))
+    # Every rank on this host (LOCAL_WORLD_SIZE = WORLD_SIZE): only then is loopback enough. A name that
+    # resolves to loopback on rank 0's node alone (Debian maps the host name to 127.0.1.1) is reached by other
+    # nodes at its real address: torch's rendezvous then binds as it always did.
+    one_host = os.environ.get("LOCAL_WORLD_SIZE") == str(env.world_size)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" or not one_host or not _is_loopback(addr):
+        return None
+    timeout = timedelta(seconds=timeout_s)
+    if env.rank != 0:
+        return dist.TCPStore(addr, port, env.world_size, False, timeout)
+    fd_text = os.environ.pop(STORE_FD_VAR, "")
+    if fd_text.isdigit():  # spawn bound it already
+        listener = socket.socket(fileno=int(fd_text))
+    else:
+        family = socket.AF_INET6 if ":" in socket.getaddrinfo(addr, None)[0][4][0] else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((addr, port))
+        listener.listen(max(128, env.world_size))
+    store = dist.TCPStore(addr, port, env.world_size, True, timeout, wait_for_workers=False,
+                          master_listen_fd=listener.fileno())
+    _LISTENERS.append(listener)  # the store serves from this descriptor for as long as the process lives
+    return store
+
+
+_LISTENERS: list[socket.socket] = []
+
+
+def loopback_interface() -> str | None:
+    """The loopback interface's name (lo on Linux, lo0 on macOS), for GLOO_SOCKET_IFNAME."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except OSError:
+        return None
+    return next((n for n in ("lo", "lo0") if n in names), None)
 
 
 class _stderr_held(contextlib.AbstractContextManager):
@@ -224,33 +360,62 @@ def die_with_launcher(environ=os.environ) -> None:
     threading.Thread(target=watch, daemon=True, name="watch-launcher").start()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _listener() -> socket.socket:
+    """The rendezvous store's listening socket: bound on loopback, port chosen by the kernel, kept open."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(128)
+    return s
+
+
+def _config_fd(text: str) -> tuple[int, str | None]:
+    """The resolved config for the ranks: an anonymous in-memory file (gone with the last process holding it,
+    even after kill -9), else a private temporary file removed after the ranks end. (fd, path to unlink)."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("job-ranks-config", 0)  # no MFD_CLOEXEC: passed on to the ranks
+        os.write(fd, text.encode())
+        return fd, None
+    fd, path = tempfile.mkstemp(prefix="job-ranks-", suffix=".yaml")  # 0600
+    os.write(fd, text.encode())
+    return fd, path
 
 
 def spawn(cfg, nprocs: int) -> int:
     """Run the resolved config as `nprocs` local ranks; return 0, 75 if interrupted, else the worst code."""
     from omegaconf import OmegaConf
 
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml", prefix="job-ranks-", delete=False) as f:
-        f.write(OmegaConf.to_yaml(cfg))
-        cfg_path = f.name
-    port = _free_port()
+    check_host(nprocs, cuda_count=_cuda_count(cfg), backend=cfg.strategy.backend)
+    cfg_fd, cfg_tmp = _config_fd(OmegaConf.to_yaml(cfg))
+    # Linux: each rank opens /proc/self/fd/N afresh (its own offset); elsewhere the private file.
+    cfg_path = f"/proc/self/fd/{cfg_fd}" if cfg_tmp is None else cfg_tmp
+    listener = _listener()
+    port = listener.getsockname()[1]
+    lo = loopback_interface()
+    # The ranks' telemetry registrations: a private folder nobody else can predict or create first.
+    peer_dir = tempfile.mkdtemp(prefix="trainjob-telemetry-") if cfg.telemetry.port and not cfg.telemetry.peer_dir \
+        else None
     procs = []
     try:
         for rank in range(nprocs):
             env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                        LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
             env[LAUNCHER_VAR] = str(os.getpid())
+            if lo:  # gloo's sockets on loopback too, whatever the host name resolves to
+                env["GLOO_SOCKET_IFNAME"] = lo
+            if peer_dir:
+                env["TRAINJOB_PEER_DIR"] = peer_dir
+            fds = (cfg_fd, listener.fileno()) if rank == 0 else (cfg_fd,)
+            if rank == 0:
+                env[STORE_FD_VAR] = str(listener.fileno())
             # As torchrun does: ranks sharing a host must not each start a thread per core (CPU ranks
             # ran 6x slower oversubscribed); an explicit OMP_NUM_THREADS wins.
             env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
             cmd = [sys.executable, "-m", "job", "train", "--config", cfg_path]
             # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once (else each
             # rank would see it twice and take it for the second, immediate one).
-            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
+            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True, pass_fds=fds))
+            if rank == 0:
+                listener.close()  # rank 0 holds it now
         log.info("%s: started %d ranks (pids %s)", cfg.strategy.name, nprocs, " ".join(str(p.pid) for p in procs))
 
         def forward(signum, _frame):
@@ -270,7 +435,12 @@ def spawn(cfg, nprocs: int) -> int:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        os.unlink(cfg_path)
+        listener.close()
+        os.close(cfg_fd)
+        if peer_dir:
+            shutil.rmtree(peer_dir, ignore_errors=True)
+        if cfg_tmp is not None:
+            os.unlink(cfg_tmp)
     if all(c == EXIT_OK for c in codes):
         return EXIT_OK
     if all(c in (EXIT_OK, EXIT_INTERRUPTED) for c in codes):

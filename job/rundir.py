@@ -11,6 +11,10 @@ Nothing is written into the run directory until every start-up check has passed 
 a refused command leaves an existing run byte for byte as it was. Then, holding the lock, temporary
 files found in the run belong to a writer that died mid-write and are removed.
 
+Another user must not be able to plant or redirect anything here (docs/security.md): a run directory is
+created 0700 and its files 0600; one that is a symlink, that another user owns, or that others can write is
+refused in one line, and so is a run file that is a symlink; run files are opened without following links.
+
 Files are replaced atomically (temporary file in the same folder + rename); a write that fails (disk
 full, quota, I/O error) leaves the previous version and no temporary file, and the trainer goes on with
 one warning: losing a metrics line must not cost the run.
@@ -27,6 +31,7 @@ import os
 import re
 import shutil
 import socket
+import stat
 import time
 import weakref
 from pathlib import Path
@@ -39,6 +44,9 @@ LOCK_NAME = ".lock"
 TEMP = re.compile(r"^\..+\.tmp\.\d+$|^.+\.tmp$")
 # flock on a filesystem that does not support it (some network filesystems without their lock option).
 _NO_LOCKS = {errno.ENOLCK, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+# The names the trainer writes in a run directory (and checkpoints/step_*.pt): none may be a link.
+RUN_FILES = (LOCK_NAME, "config.yaml", "metrics.jsonl", "summary.json", "memory_plan.json")
 
 
 def free_space(path: Path) -> str:
@@ -70,7 +78,8 @@ def write_atomic(path: Path, text: str) -> None:
     temporary remain, and the OSError propagates."""
     tmp = temp_path(path)
     try:
-        with open(tmp, "w") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | _NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -83,7 +92,7 @@ def write_atomic(path: Path, text: str) -> None:
 def append_line(path: Path, line: str) -> None:
     """Append one line; on failure cut the file back to where it was (a torn line would break readers)."""
     data = (line + "\n").encode()
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | _NOFOLLOW, 0o600)
     try:
         start = os.lseek(fd, 0, os.SEEK_END)
         try:
@@ -108,9 +117,22 @@ def truncate_records(path: Path, step: int) -> int:
     """
     if not path.is_file():
         return 0
+    cut_at = None
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | _NOFOLLOW)
+    try:
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read()
+        cut_at = _cut(data, step)
+        if cut_at is not None:
+            os.ftruncate(fd, cut_at[0])
+    finally:
+        os.close(fd)
+    return 0 if cut_at is None else cut_at[1]
+
+
+def _cut(data: bytes, step: int) -> tuple[int, int] | None:
+    """(offset of the first record after `step`, records from there on), or None if none is."""
     offset, cut_at, dropped = 0, None, 0
-    with open(path, "rb") as f:
-        data = f.read()
     for raw in data.split(b"\n"):
         if raw.strip():
             if cut_at is None:
@@ -122,9 +144,7 @@ def truncate_records(path: Path, step: int) -> int:
                     cut_at = offset
             dropped += cut_at is not None
         offset += len(raw) + 1
-    if cut_at is not None:
-        os.truncate(path, cut_at)
-    return dropped
+    return None if cut_at is None else (cut_at, dropped)
 
 
 class RunDir:
@@ -141,10 +161,20 @@ class RunDir:
     # -- owning it -------------------------------------------------------------------------------
     def acquire(self) -> None:
         """Take the run's lock, or refuse with one line if another live process holds it."""
-        self.created = not self.path.exists()
+        self.created = not os.path.lexists(self.path)
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.mkdir(mode=0o700, exist_ok=True)
+        except FileExistsError:
+            pass  # a symlink or a file: refused below, in one line
+        except OSError as e:
+            raise UsageError(
+                f"cannot create the run directory {self.path} ({e.strerror}); set train.run_dir to a writable "
+                "folder with free space"
+            ) from None
+        check_private(self.path)
+        try:
+            fd = os.open(self.path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | _NOFOLLOW, 0o600)
         except OSError as e:
             raise UsageError(
                 f"cannot create the run directory {self.path} ({e.strerror}); set train.run_dir to a writable "
@@ -168,6 +198,7 @@ class RunDir:
                         "started with the same run id would not be refused", self.path / LOCK_NAME, e.strerror)
             return
         self._fd, self.locked = fd, True
+        _HELD[:] = [self.path]
         if self.created:  # a start refused later (a busy port, a bad first batch) leaves no empty run behind
             atexit.register(_end, weakref.ref(self))  # weak: the lock goes with the trainer, not at exit
 
@@ -221,15 +252,27 @@ class RunDir:
                     if TEMP.match(p.name) and p.is_file():
                         p.unlink(missing_ok=True)
                         log.info("removed %s, left by a run that died while writing it", p)
-        if resumed_step is not None:
-            try:
-                dropped = truncate_records(self.path / "metrics.jsonl", resumed_step)
-            except OSError as e:
-                self._warn("metrics.jsonl", e)
-            else:
-                if dropped:
-                    log.info("metrics.jsonl: dropped %d record(s) after step %d (they are trained again)",
-                             dropped, resumed_step)
+        if resumed_step is None:  # a fresh start: train.resume=overwrite, or a run with no checkpoint yet
+            self._start_over()
+        try:
+            dropped = truncate_records(self.path / "metrics.jsonl", resumed_step or 0)
+        except OSError as e:
+            self._warn("metrics.jsonl", e)
+        else:
+            if dropped:
+                log.info("metrics.jsonl: dropped %d record(s) after step %d (they are trained again)",
+                         dropped, resumed_step or 0)
+
+    def _start_over(self) -> None:
+        """A run starting from step 0 in a directory that holds an earlier one (only with
+        train.resume=overwrite: `never` refuses an existing run): its checkpoints and summary go, so that
+        none of them is taken for this run's."""
+        gone = [p for p in _steps(self.path / "checkpoints") if p.is_file()]
+        gone += [p for p in (self.path / "summary.json",) if p.is_file()]
+        for p in gone:
+            p.unlink(missing_ok=True)
+        if gone:
+            log.info("starting over in %s: removed the earlier run's %s", self.path, ", ".join(p.name for p in gone))
 
     # -- writes that must not end the run ---------------------------------------------------------
     def write_text(self, name: str, text: str) -> bool:
@@ -255,6 +298,63 @@ class RunDir:
         self._warned.add(name)
         log.warning("cannot write %s (%s; %s free there): training goes on without it; free space under %s",
                     self.path / name, e.strerror or e, free_space(self.path), self.path)
+
+
+_HELD: list[Path] = []  # the run directory this process locked last (where a crash's traceback goes)
+
+
+def held_dir() -> Path | None:
+    """The run directory this process holds (or held last), if it still exists."""
+    return _HELD[0] if _HELD and _HELD[0].is_dir() else None
+
+
+def check_private(path: Path) -> None:
+    """Refuse (UsageError, one line) a run directory another user could plant files in or redirect: a
+    symlink, a folder another user owns or that others can write, a checkpoints/ folder likewise, or a run
+    file that is a symlink."""
+    for folder in (path, path / "checkpoints"):
+        try:
+            st = folder.lstat()
+        except FileNotFoundError:
+            continue
+        problem = _dir_problem(st)
+        if problem:
+            raise UsageError(f"run directory {folder} {problem}: another user could plant files in it or redirect "
+                             "the run's writes; use a train.run_dir of your own (mode 700), or another train.run_id")
+    links = [p for p in [*(path / n for n in RUN_FILES), *_steps(path / "checkpoints")] if p.is_symlink()]
+    if links:
+        raise UsageError(f"{links[0]} is a symlink{f' ({len(links)} run files are)' if len(links) > 1 else ''}: a "
+                         "run's files are never written or read through links; remove it, or use another "
+                         "train.run_id")
+
+
+def _steps(folder: Path) -> list[Path]:
+    try:
+        return [p for p in folder.iterdir() if p.name.startswith("step_")] if folder.is_dir() else []
+    except OSError:
+        return []
+
+
+def _dir_problem(st: os.stat_result) -> str | None:
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if st.st_uid != os.geteuid():
+        return f"belongs to {_user(st.st_uid)}, not to this user ({_user(os.geteuid())})"
+    mode = stat.S_IMODE(st.st_mode)
+    if mode & 0o002 or (mode & 0o020 and st.st_gid != os.getegid()):
+        return f"is writable by {'everyone' if mode & 0o002 else 'its group'} (mode {mode:o})"
+    return None
+
+
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
 
 
 def _end(ref: weakref.ref) -> None:

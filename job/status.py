@@ -76,9 +76,9 @@ def write_record(job, *, executor: str, tasks: int, run_id: str, run_dir: Path) 
     folder.mkdir(parents=True, exist_ok=True)
     doc = {"job_id": str(job.job_id), "executor": executor, "tasks": tasks, "run_id": run_id,
            "run_dir": str(run_dir), "submitted": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    tmp = folder / f".{RECORD}.tmp.{os.getpid()}"
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    tmp.replace(folder / RECORD)
+    from job.rundir import write_atomic
+
+    write_atomic(folder / RECORD, json.dumps(doc, indent=2) + "\n")  # 0600, never through a link
 
 
 def _job_folder(template: Path, job_id: str) -> Path:
@@ -176,13 +176,46 @@ def _slurm_exit(ctl: dict) -> int | None:
 
 
 # -- reading the outcome --------------------------------------------------------------------------
+class _PlainUnpickler(pickle.Unpickler):
+    """submitit's result is `("success", dict)` or `("error", traceback text)`: tuples, dicts, strings and
+    numbers, none of which needs a global. Any global (how a planted pickle calls code) is refused unread."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"holds a reference to {module}.{name}, not plain data: not read")
+
+
+def _foreign(path: Path) -> str:
+    """Why a result file may not be this user's job's (another user could have written it), or ''."""
+    import stat
+
+    for p, what in ((path, "it"), (path.parent, "its folder")):
+        st = p.lstat()
+        if stat.S_ISLNK(st.st_mode):
+            return f"{what} is a symlink"
+        if st.st_uid != os.geteuid():
+            return f"{what} belongs to uid {st.st_uid}, not to this user"
+        if st.st_mode & 0o002 or (st.st_mode & 0o020 and st.st_gid != os.getegid()):
+            return f"{what} can be written by other users (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
+
+
 def _results(job: Job) -> list[tuple[str, object] | None]:
+    """Every task's submitit result, read as plain data only and only from files this user's job wrote
+    (docs/security.md): a result pickle is not unpickled with code, nor trusted when someone else could
+    have planted it."""
     out = []
     for t in range(job.tasks):
         path = job.paths(t).result_pickle
         try:
+            why = _foreign(path)
+            if why:
+                out.append(("unreadable", f"{path} was not read: {why}"))
+                continue
             with open(path, "rb") as f:
-                out.append(pickle.load(f))  # noqa: S301 (the job's own folder, written by submitit for it)
+                result = _PlainUnpickler(f).load()
+            if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], str)):
+                raise pickle.UnpicklingError("not a submitit result")
+            out.append(result)
         except FileNotFoundError:
             out.append(None)
         except Exception as e:  # half-written or unreadable: not an outcome yet

@@ -163,11 +163,32 @@ def sbatch_text(cfg, *, folder: Path | str | None = None, python: str | None = N
 
     p = plan(cfg, script_only=True)
     folder = p.folder if folder is None else folder
+    params = slurm_parameters(cfg, p)
+    _check_script_values({"folder": str(folder), "python": python or sys.executable, **params})
     try:
-        return _make_sbatch_string(command=submitit_command(folder, python), folder=folder,
-                                   **slurm_parameters(cfg, p))
+        return _make_sbatch_string(command=submitit_command(folder, python), folder=folder, **params)
     except (ValueError, TypeError) as e:
         raise UsageError(f"submitit rejects the Slurm parameters: {_first_line(e)}") from None
+
+
+def _check_script_values(values: dict) -> None:
+    """Nothing that goes into the sbatch script holds a line break or another control character (config keys
+    are checked when loaded; this also covers what comes from the environment: the Python path, the cwd)."""
+    from job.config import _CONTROL
+
+    def walk(name, v):
+        if isinstance(v, dict):
+            for k, x in v.items():
+                walk(f"{name}.{k}", x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(name, x)
+        elif isinstance(v, str) and (m := _CONTROL.search(v)):
+            raise UsageError(f"the sbatch script's {name} holds a control character ({m.group()!r} in {v[:60]!r}), "
+                             "which would add lines of its own to the script; remove it")
+
+    for k, v in values.items():
+        walk(k, v)
 
 
 def check_with_slurm(text: str) -> None:

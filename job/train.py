@@ -435,7 +435,7 @@ class Trainer:
         except (ValueError, KeyError) as e:
             raise UsageError(
                 f"checkpoint {path} has optimizer state that does not fit train.optimizer="
-                f"{self.cfg.train.optimizer} ({e}); keep the optimizer or set train.resume=never"
+                f"{self.cfg.train.optimizer} ({e}); keep the optimizer or set train.resume=overwrite"
             ) from None
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])

@@ -318,6 +318,47 @@ def ingress_allowed(policies: list[dict], pod: dict, peer: dict, port: int, prot
     return False
 
 
+def egress_allowed(policies: list[dict], pod: dict, dest: dict, port: int, protocol: str = "TCP") -> bool:
+    """NetworkPolicy semantics for a connection from `pod` to `dest` on `port`: `dest` is a pod (as in
+    ingress_allowed) or {"ip": "169.254.169.254"} (an address outside the cluster's pods: matched by ipBlock
+    only). A pod that no policy with Egress selects may connect anywhere."""
+    import ipaddress
+
+    selecting = [p for p in policies
+                 if p["metadata"].get("namespace", pod["namespace"]) == pod["namespace"]
+                 and "Egress" in p["spec"].get("policyTypes", [])
+                 and selects(p["spec"]["podSelector"], pod["labels"])]
+    if not selecting:
+        return True
+    for p in selecting:
+        ns = p["metadata"].get("namespace", pod["namespace"])
+        for rule in p["spec"].get("egress", []):
+            peers = rule.get("to")
+            if peers:
+                def matches(t, ns=ns):
+                    if "ipBlock" in t:
+                        if "ip" not in dest:
+                            return False
+                        ip = ipaddress.ip_address(dest["ip"])
+                        return ip in ipaddress.ip_network(t["ipBlock"]["cidr"]) and not any(
+                            ip in ipaddress.ip_network(e) for e in t["ipBlock"].get("except", []))
+                    if "ip" in dest:
+                        return False
+                    ns_ok = (selects(t["namespaceSelector"], dest["ns_labels"]) if "namespaceSelector" in t
+                             else dest["namespace"] == ns)
+                    pod_ok = selects(t["podSelector"], dest["labels"]) if "podSelector" in t else True
+                    return ns_ok and pod_ok
+                if not any(matches(t) for t in peers):
+                    continue
+            ports = rule.get("ports")
+            if ports and not any(pp.get("protocol", "TCP") == protocol and
+                                 ("port" not in pp or pp["port"] <= port <= pp.get("endPort", pp["port"]))
+                                 for pp in ports):
+                continue
+            return True
+    return False
+
+
 def pod_failure_action(job: dict, exit_codes: dict[str, int], conditions: tuple[str, ...] = ()) -> str:
     """What the Job controller does with a failed pod: the first matching podFailurePolicy rule's
     action, else Count. exit_codes: container name -> exit code (init containers included); as in

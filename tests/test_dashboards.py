@@ -148,7 +148,8 @@ def test_provisioning_matches_compose_mounts():
     assert "PROMETHEUS_URL" in grafana["environment"]
     # Anonymous viewers read only; the admin password has no default.
     env = grafana["environment"]
-    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    # (GRAFANA_ANONYMOUS=false turns them off: docs/security.md)
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "${GRAFANA_ANONYMOUS:-true}" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
     # ... and comes from a file (a compose secret), never from a plain environment variable
     assert "GF_SECURITY_ADMIN_PASSWORD" not in env
     assert env["GF_SECURITY_ADMIN_PASSWORD__FILE"] == "/run/secrets/grafana_admin_password"

@@ -118,6 +118,11 @@ def test_base_compose_wires_gpus_strategy_volumes_and_rules():
         assert svc["cap_drop"] == ["ALL"] and svc["security_opt"] == ["no-new-privileges:true"], name
     for name in ("trainer", "exporter", "prometheus"):
         assert s[name]["read_only"] is True and s[name]["tmpfs"] == ["/tmp"], name
+    # limits: a process count everywhere, memory where the need is known (the trainer's is the model's)
+    assert {n: svc.get("pids_limit") for n, svc in s.items()} == {"trainer": 8192, "exporter": 1024,
+                                                                  "prometheus": 1024, "grafana": 1024}
+    assert all(s[n].get("mem_limit") for n in ("exporter", "prometheus", "grafana")), s
+    assert s["grafana"]["environment"]["GF_AUTH_ANONYMOUS_ENABLED"] == "true"  # GRAFANA_ANONYMOUS=false turns it off
     assert t["environment"]["HOME"] == "/tmp"  # caches on the tmpfs
     g = s["grafana"]
     assert "GF_SECURITY_ADMIN_PASSWORD" not in g["environment"] and g["secrets"] == [{"source": "grafana_admin_password"}]

@@ -775,6 +775,52 @@ def test_network_policies_admit_exactly_the_intended_peers(source, rendered_with
         assert len(hit) == 1, (pol["metadata"]["name"], hit)
 
 
+DNS_POD = {"namespace": "kube-system", "ns_labels": {"kubernetes.io/metadata.name": "kube-system"},
+           "name": "coredns-1", "labels": {"k8s-app": "kube-dns"}, "ports": {}}
+OUTSIDE = {"cloud metadata endpoint": ({"ip": "169.254.169.254"}, 80), "API server": ({"ip": "10.96.0.1"}, 443),
+           "internet": ({"ip": "93.184.216.34"}, 443), "node": ({"ip": "10.0.0.12"}, 10250)}
+
+
+def egress_problems(docs: list[dict]) -> list[str]:
+    """Every workload pod may reach the cluster's DNS (UDP and TCP 53) and, when it has several pods, its
+    own other pods on every port; nothing else: not the metadata endpoint, the API server, the internet, a
+    node, another namespace's pod, DNS on another port."""
+    from tests._k8s_helpers import egress_allowed
+
+    policies = [{**d, "metadata": {**d["metadata"], "namespace": "team"}} for d in docs if d["kind"] == "NetworkPolicy"]
+    pods = {d["metadata"]["name"]: controller_pods(d) for d in docs if pod_templates(d)}
+    stranger = {"namespace": "other", "ns_labels": {"kubernetes.io/metadata.name": "other"}, "name": "x",
+                "labels": {"app.kubernetes.io/name": "trainjob"}, "ports": {}}
+    out = []
+    for wpods in pods.values():
+        for pod in wpods:
+            for proto in ("UDP", "TCP"):
+                if not egress_allowed(policies, pod, DNS_POD, 53, proto):
+                    out.append(f"{pod['name']}: DNS over {proto} refused")
+            if egress_allowed(policies, pod, DNS_POD, 8080):
+                out.append(f"{pod['name']}: kube-dns admitted on 8080")
+            for what, (dest, port) in OUTSIDE.items():
+                if egress_allowed(policies, pod, dest, port):
+                    out.append(f"{pod['name']}: the {what} is reachable")
+            if egress_allowed(policies, pod, stranger, NCCL_PORT):
+                out.append(f"{pod['name']}: a pod of another namespace is reachable")
+            for peer in (p for p in wpods if p is not pod):
+                if not egress_allowed(policies, pod, peer, NCCL_PORT):
+                    out.append(f"{pod['name']}: own pod {peer['name']} unreachable on {NCCL_PORT}")
+    return out
+
+
+@pytest.mark.parametrize("source", ["kustomize k8s (+exporter)", "multinode", "pytorchjob"])
+def test_network_policies_let_pods_out_only_to_dns_and_their_own_pods(source, rendered_with_exporter):
+    docs = {"multinode": lambda: render(MULTINODE.parent), "pytorchjob": lambda: render(PYTORCHJOB.parent)}.get(
+        source, lambda: rendered_with_exporter)()
+    assert egress_problems(docs) == []
+    # The check can fail: without the Egress type (the policies before), everything is reachable.
+    for pol in (d for d in docs if d["kind"] == "NetworkPolicy"):
+        pol["spec"]["policyTypes"] = ["Ingress"]
+    assert any("metadata endpoint is reachable" in p for p in egress_problems(docs))
+
+
 def test_network_policy_check_fails_when_a_label_drifts():
     """Renaming the Job without its policy, or a policy admitting everyone, is caught."""
     docs = load_docs(MULTINODE)

@@ -352,6 +352,58 @@ def test_refused_commands_leave_the_run_byte_identical(tmp_path):
     no_temp_files(run)
 
 
+def test_held_out_bad_inputs_are_one_line_and_leave_the_run_identical(tmp_path):
+    """The held-out cases (issue 26): an interpolation that does not resolve, run ids and run directories that
+    cannot be names, a checkpoint with a corrupt RNG state, nccl without a card, more ranks than the host holds,
+    a model that does not match (a short line), train.resume=never on an existing run: each is one line, exit
+    2, and neither the victim run nor its run_dir changes."""
+    from job.launch import _rss_bytes
+    from job.memplan import available_host_bytes
+
+    assert train(tmp_path, "v", "strategy=dp", "train.steps=6", "train.checkpoint_every=3").returncode == 0
+    rng_run = tmp_path / "rng"
+    shutil.copytree(tmp_path / "v", rng_run)
+    state = torch.load(checkpoints(rng_run)[-1], weights_only=True)
+    state["rng"][0]["python"] = (3, (1, 2, 3), None)
+    torch.save(state, checkpoints(rng_run)[-1])
+    ddp = ["strategy=ddp", "strategy.nprocs=2", "train.batch_size=16"]
+    cases = [
+        ("v", ["submit.folder=${oops}"], "`submit.folder=${oops}` cannot be resolved"),
+        ("v", ["train.log_every=${train.nope}"], "`train.log_every=${train.nope}` cannot be resolved"),
+        ("v\nx", [], "`train.run_id` holds a control character ('\\n'"),
+        ("v" * 256, [], "train.run_id is 256 bytes long and a file name holds at most 255"),
+        ("v", [f"train.run_dir={tmp_path / 'v' / 'config.yaml'}"], "is a file, not a folder"),
+        ("v", [f"train.run_dir={'/d' * 2100}"], "above the system's 4096"),
+        ("rng", [], "has a corrupt `rng[0]` (python state: state vector is the wrong size)"),
+        ("v", [*ddp, "strategy.backend=nccl"], "strategy.backend=nccl needs a CUDA card per rank"),
+        ("v", ["train.resume=never"], "already holds a run (2 checkpoints, metrics.jsonl, config.yaml, summary.json)"),
+    ]
+    per_rank, available = _rss_bytes(), available_host_bytes()
+    if per_rank and available and 1024 * 0.2e9 > available:  # a host that cannot hold 1024 Python processes
+        cases.append(("v", ["strategy=ddp", "strategy.nprocs=1024", "train.batch_size=1024"],
+                      "strategy.nprocs=1024 ranks need at least 1024 x "))
+    before = snapshot(tmp_path)
+    for run_id, args, expect in cases:
+        p = train(tmp_path, run_id, "strategy=dp", "train.steps=12", *args)
+        assert p.returncode == 2, (run_id[:20], args, p.stderr)
+        line = one_error(p.stderr)
+        assert expect in line, (args, line)
+        assert snapshot(tmp_path) == before, f"{args}: something under train.run_dir changed"
+    # A model that does not fit: the first few differences and their count, not every key (~4,000 characters).
+    p = train(tmp_path, "v", "strategy=dp", "train.steps=12", "workload=lm", "workload.layers=1",
+              "workload.d_model=16", "workload.heads=2", "workload.vocab=32", "workload.seq_len=8",
+              "train.optimizer=sgd", "train.amp=off")
+    line = one_error(p.stderr)
+    assert p.returncode == 2 and len(line) < 700, line
+    assert re.search(r"\d+ missing from the checkpoint: [^;]+ and \d+ more; \d+ not in this model", line), line
+    assert snapshot(tmp_path) == before
+    # Said explicitly, the run is replaced: its old checkpoints and metrics go, the new run's alone remain.
+    p = train(tmp_path, "v", "strategy=dp", "train.steps=4", "train.checkpoint_every=2", "train.resume=overwrite")
+    assert p.returncode == 0 and "resumed from" not in p.stderr, p.stderr
+    assert [c.name for c in checkpoints(tmp_path / "v")] == ["step_00000002.pt", "step_00000004.pt"]
+    assert metric_steps(tmp_path / "v") == [4]
+
+
 def test_refused_new_run_leaves_no_directory(tmp_path):
     empty = tmp_path / "data"
     empty.mkdir()

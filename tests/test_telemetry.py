@@ -565,3 +565,36 @@ def test_an_idle_client_is_dropped(nv, tmp_path, monkeypatch):
         assert get(f"http://127.0.0.1:{port}/health")[0] == 200
     finally:
         r0.close()
+
+
+def test_a_trickling_client_is_cut_at_the_request_deadline(nv, tmp_path, monkeypatch):
+    """A client that sends a header line every 0.3 s (each read well within the per-read timeout) is cut at
+    the whole request's deadline; connections past MAX_CONNECTIONS are closed at once."""
+    import socket
+
+    monkeypatch.setattr("job.telemetry.server.HTTP_TIMEOUT_S", 1.0)
+    monkeypatch.setattr("job.telemetry.server.REQUEST_DEADLINE_S", 1.5)
+    monkeypatch.setattr("job.telemetry.server.MAX_CONNECTIONS", 2)
+    port = free_port()
+    r0 = _rank(nv, 0, _tcfg(port, tmp_path)).start()
+    try:
+        held = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(2)]
+        time.sleep(0.3)  # both accepted and being served
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as third:
+            assert third.recv(1) == b""  # over the cap: closed at once
+        t0, cut = time.monotonic(), None
+        held[0].sendall(b"GET /metrics HTTP/1.1\r\n")
+        while time.monotonic() - t0 < 6:
+            try:
+                held[0].sendall(b"X-Slow: 1\r\n")
+            except OSError:
+                cut = time.monotonic() - t0
+                break
+            time.sleep(0.3)
+        assert cut is not None and cut < 3.5, cut
+        for s in held:
+            s.close()
+        time.sleep(0.5)
+        assert get(f"http://127.0.0.1:{port}/health")[0] == 200  # the slots are free again
+    finally:
+        r0.close()

@@ -131,7 +131,7 @@ class Bench:
         args = ["--config", str(overrides or self.out / "overrides.yaml"), f"workload={workload}", _strategy_arg(strategy),
                 f"train.steps={warmup + steps}", f"train.timing_warmup={warmup}",
                 f"train.log_every={warmup}", "train.checkpoint_every=0", "train.final_checkpoint=false",
-                "train.resume=never",
+                "train.resume=overwrite",
                 f"train.run_dir={self.out / 'runs'}", f"train.run_id={run_id}"]
         if not self.cuda and "strategy.nprocs" not in self.overrides and not any(
                 e.startswith("strategy.nprocs=") for e in extra):

@@ -3,10 +3,18 @@
 Every local rank but 0 serves its own metrics on a loopback port and writes a small registration file
 (url, pid, run, local rank) into a private folder of the job (`peer_dir_for`, `private_dir`); at each
 scrape local rank 0 fetches them all and merges them into one answer (`_Merged`).
+
+Another user of the node must neither redirect those fetches nor block the job (docs/security.md): the folder
+of a job started as a plain command is a fresh private one its launcher makes (mkdtemp) and hands to the ranks;
+a single process makes its own; only ranks started by torchrun or Slurm meet in a folder named after the user,
+the run and the port (under $XDG_RUNTIME_DIR when it is the user's own, else the temp folder; one someone else
+made first is refused in one line). A registration is followed only to a URL that parses as
+http://127.0.0.1:PORT/metrics.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -14,11 +22,25 @@ import re
 import tempfile
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from job.errors import UsageError
 
 log = logging.getLogger("job.telemetry")
 PEER_TIMEOUT_S = 2.0
+PEER_DIR_VAR = "TRAINJOB_PEER_DIR"  # set by job.launch.spawn for the ranks it starts
+
+
+def loopback_metrics_url(url) -> bool:
+    """`url` is exactly http://127.0.0.1:PORT/metrics (parsed, not a prefix test: no user part, no other
+    host behind an `@`, no query)."""
+    try:
+        u = urlsplit(str(url))
+        port = u.port
+    except ValueError:
+        return False
+    return (u.scheme == "http" and u.netloc == f"127.0.0.1:{port}" and port is not None and 0 < port < 65536
+            and u.path == "/metrics" and not u.query and not u.fragment)
 
 
 class _Merged:
@@ -45,7 +67,7 @@ class _Merged:
             except (OSError, ValueError, KeyError):
                 continue
             # only this run's ranks, and only loopback: a file in /tmp must not make us fetch elsewhere
-            if peer.get("run") == self.run and str(peer.get("url", "")).startswith("http://127.0.0.1:"):
+            if peer.get("run") == self.run and loopback_metrics_url(peer.get("url", "")):
                 out.append(peer)
         return out
 
@@ -107,11 +129,37 @@ def _empty_like(fam):
 
 
 def peer_dir_for(tcfg, run: str) -> Path:
-    """This job's registration folder on this node: `<telemetry.peer_dir or $TMPDIR>/trainjob-telemetry-
-    <run>-<port>`, the same for every local rank (they share the run id), another for every job."""
-    base = Path(getattr(tcfg, "peer_dir", "") or tempfile.gettempdir())
+    """This job's registration folder on this node, the same for every local rank, another for every job:
+    telemetry.peer_dir's `trainjob-telemetry-<uid>-<run>-<port>` when it is set; else the private folder the
+    launcher made (job.launch.spawn); else, for a process without local peers, a fresh private one; else (ranks
+    of torchrun or Slurm) that name under $XDG_RUNTIME_DIR if it is this user's own, or the temp folder."""
+    explicit = getattr(tcfg, "peer_dir", "")
+    if not explicit:
+        if os.environ.get(PEER_DIR_VAR):
+            return Path(os.environ[PEER_DIR_VAR])
+        local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or "1"
+        if local == "1":  # nobody to meet: a name nobody can predict
+            return Path(tempfile.mkdtemp(prefix="trainjob-telemetry-"))
+    base = Path(explicit or _runtime_dir() or tempfile.gettempdir())
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", str(run)) or "run"
-    return base / f"trainjob-telemetry-{safe}-{tcfg.port}"
+    if len(safe) > 64:  # the name must stay a file name whatever the run id's length
+        safe = f"{safe[:40]}-{hashlib.sha256(str(run).encode()).hexdigest()[:16]}"
+    return base / f"trainjob-telemetry-{os.geteuid()}-{safe}-{tcfg.port}"
+
+
+def _runtime_dir() -> str | None:
+    """$XDG_RUNTIME_DIR when it is a folder of this user closed to others (no one else can create names in it)."""
+    import stat
+
+    path = os.environ.get("XDG_RUNTIME_DIR")
+    if not path:
+        return None
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    ok = stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022
+    return path if ok else None
 
 
 def private_dir(path: Path) -> Path:
