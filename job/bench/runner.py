@@ -252,7 +252,9 @@ class Bench:
         from job.models import WORKLOADS
 
         k = WORKLOADS[child_cfg.workload.name].units_per_sample(child_cfg.workload)
-        cards = [{key: r.get(key) for key in CARD_SCHEMA["properties"]} for r in summary.get("cards", [])]
+        kinds = {(b["rank"], b["device"]): b["kinds"] for b in summary.get("memory_breakdown", [])}
+        cards = [{**{key: r.get(key) for key in CARD_SCHEMA["properties"]}, "kinds": kinds.get((r["rank"], r["device"]))}
+                 for r in summary.get("cards", [])]
         world = int(summary["world_size"])
         window = summary.get("peak_window")
         row.update({
