@@ -188,14 +188,15 @@ def cap_headroom(*, cap: int | None, peak_reserved: int, card_headroom: int | No
     return left if card_headroom is None else min(card_headroom, left)
 
 
-def cap_of(index: int, total: int) -> int | None:
-    """This process's allocator cap on device `index` (memory.cap_gb, via set_per_process_memory_fraction)."""
+def cap_of(index: int) -> int | None:
+    """This process's allocator cap on device `index` (memory.cap_gb, via set_per_process_memory_fraction, a
+    fraction of torch's total memory of the card); None when uncapped or before CUDA starts."""
     import torch
 
     if not torch.cuda.is_initialized():
         return None
     fraction = torch.cuda.get_per_process_memory_fraction(index)
-    return int(fraction * total) if fraction < 1.0 else None
+    return int(fraction * torch.cuda.get_device_properties(index).total_memory) if fraction < 1.0 else None
 
 
 # -- one process's cards ------------------------------------------------------------------------------
@@ -272,7 +273,7 @@ class Memory:
             kinds, others, notes = split(tensors=held, allocated=peak_allocated if peak else allocated,
                                          reserved=reserved, used=used, total=total, free=free, processes=procs,
                                          ours=self.ours)
-            cap = self._caps.get(index) if self._caps is not None else (cap_of(index, total) if total else None)
+            cap = self._caps.get(index) if self._caps is not None else cap_of(index)
             cap_free = None
             if cap is not None:
                 cap_free = max(0, cap - reserved) if free is None else max(0, min(cap - reserved, free))

@@ -38,7 +38,7 @@ def card_rows(devices: list[torch.device], *, rank: int, plan_cards=None) -> lis
         reserved = torch.cuda.max_memory_reserved(d)
         mem = devmod.card_memory(card) if card is not None else None
         props = torch.cuda.get_device_properties(d)
-        cap = breakdown.cap_of(d.index, props.total_memory)
+        cap = breakdown.cap_of(d.index)
         rows.append({
             "rank": rank,
             "device": f"cuda:{d.index}",

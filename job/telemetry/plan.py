@@ -44,7 +44,7 @@ class PlanCollector:
 
                 if torch.cuda.is_initialized():
                     peak = torch.cuda.max_memory_reserved(index)
-                    room = cap_headroom(cap=cap_of(index, card.total), peak_reserved=peak,
+                    room = cap_headroom(cap=cap_of(index), peak_reserved=peak,
                                         card_headroom=card.free + card.held - peak)
                     headroom.add_metric(row, float(room))
         for fam in (samples, predicted, headroom):
