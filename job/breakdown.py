@@ -253,7 +253,10 @@ class Memory:
 
     def measure(self, *, peak: bool) -> list[dict]:
         """One dict per card this process drives: at the peak (since the last peak reset) or now."""
-        per_card = self.strategy.memory_tensors(self.optimizer)
+        import torch
+
+        with torch.no_grad():  # the scrape's thread too: DTensor.to_local records nothing for autograd
+            per_card = self.strategy.memory_tensors(self.optimizer)
         seen: set = set()
         tensors = [tensor_bytes(groups, seen) for groups in per_card]
         cards = self._card_map() if any(d.type == "cuda" for d in self.devices) else {}
