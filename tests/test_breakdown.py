@@ -402,3 +402,19 @@ def test_fsdp_ranks_each_report_their_shards(tmp_path):
     assert max(grads) < 0.6 * weights and sum(grads) >= 0.9 * weights
     for r in rows:
         assert 1.9 * r["kinds"]["gradients"] <= r["kinds"]["optimizer_state"] <= 2.1 * r["kinds"]["gradients"] + 1000
+
+
+def test_per_card_table_says_its_headroom_is_against_the_cap():
+    from job import report
+
+    row = {"rank": 0, "device": "cuda:0", "name": "NVIDIA H200", "uuid": "GPU-00000000-aaaa", "pci_bus_id": "",
+           "allocated_bytes": 0, "peak_allocated_bytes": 8 * G, "peak_reserved_bytes": 10 * G,
+           "nvml_used_bytes": 61 * G, "nvml_total_bytes": TOTAL, "planned_samples": 8, "predicted_peak_bytes": None,
+           "headroom_bytes": breakdown.cap_headroom(cap=30 * G, peak_reserved=10 * G, card_headroom=129 * G),
+           "cap_bytes": 30 * G}
+    lines = report.table([row], throughput=1.0, unit="tok", title="t").splitlines()
+    assert f"{20 * G / 2**20:,.0f} (cap)" in lines[3]  # MB = MiB in this table
+    assert "(cap): headroom within memory.cap_gb (cuda:0 30 GB), not the card's free memory" in lines
+    uncapped = report.table([{**row, "headroom_bytes": 129 * G, "cap_bytes": None}], throughput=1.0, unit="tok",
+                            title="t")
+    assert "(cap)" not in uncapped and f"{129 * G / 2**20:,.0f}" in uncapped
