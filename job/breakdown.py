@@ -153,8 +153,9 @@ def split(*, tensors: dict[str, int], allocated: int, reserved: int, used: int |
     if used is None:
         notes.append("NVML cannot read this card: context, other processes and free are unknown")
         return kinds, others, notes
-    mine = [p for p in processes or [] if ours(p.pid)]
-    others = [p for p in processes or [] if not ours(p.pid)]
+    is_ours = {p.pid: ours(p.pid) for p in processes or []}
+    mine = [p for p in processes or [] if is_ours[p.pid]]
+    others = [p for p in processes or [] if not is_ours[p.pid]]
     if processes is None or any(p.bytes is None for p in mine) or (reserved > 0 and not mine):
         why = ("NVML cannot list the card's processes" if processes is None else
                "NVML does not give this job's processes' memory" if mine else
