@@ -1,5 +1,6 @@
 """Stand-ins for what cannot run on a machine without a GPU: a pynvml-shaped NVML (`FakeNvml`), torch.cuda's
-device properties (`FakeCuda`) and the caching allocator's counters (`FakeAllocator`).
+device properties (`FakeCuda`), the caching allocator's counters (`FakeAllocator`), and the tensors a strategy
+says each card holds (`FakeLayout` of `FakeTensor`s, for job.breakdown), and NVML's process list (`FakeProcess`).
 
 The tests inject them (job.devices and job.telemetry take the source as an argument), and so does the
 telemetry scrape benchmark (`python -m job.telemetry --bench-scrape`), the one place the product uses
@@ -18,6 +19,16 @@ class FakeNvmlError(Exception):
 
 
 @dataclass
+class FakeProcess:
+    """One entry of NVML's running-process list (pynvml's friendly object has the same attributes)."""
+
+    pid: int
+    usedGpuMemory: int | None  # noqa: N815 (pynvml's name); None: NVML_VALUE_NOT_AVAILABLE
+    name: str | None = None
+    """What nvmlSystemGetProcessName answers; None: it fails (another container's process)."""
+
+
+@dataclass
 class FakeCard:
     uuid: str
     pci_bus_id: str
@@ -26,6 +37,8 @@ class FakeCard:
     used: int = 0
     util_percent: int = 0
     migs: list[FakeCard] = field(default_factory=list)
+    processes: list[FakeProcess] = field(default_factory=list)
+    """What nvmlDeviceGetComputeRunningProcesses lists on the card."""
     fail: set[str] = field(default_factory=set)
     """Names of NVML calls that fail for this card, e.g. {"nvmlDeviceGetMemoryInfo"}."""
 
@@ -113,6 +126,23 @@ class FakeNvml:
         self._check("nvmlDeviceGetMemoryInfo", handle)
         return _Struct(used=handle.used, total=handle.total, free=handle.total - handle.used)
 
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        self._check("nvmlDeviceGetComputeRunningProcesses", handle)
+        return list(handle.processes)
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle):
+        self._check("nvmlDeviceGetGraphicsRunningProcesses", handle)
+        return []
+
+    def nvmlSystemGetProcessName(self, pid):
+        self._check("nvmlSystemGetProcessName")
+        for c in self.cards:
+            for h in (c, *c.migs):
+                for p in h.processes:
+                    if p.pid == pid and p.name is not None:
+                        return p.name.encode()  # bytes, as the real call returns them
+        raise FakeNvmlError("Not Found")
+
     def nvmlDeviceGetUtilizationRates(self, handle):
         self._check("nvmlDeviceGetUtilizationRates", handle)
         return _Struct(gpu=handle.util_percent, memory=0)
@@ -177,3 +207,52 @@ class FakeAllocator:
 
     def read(self, index: int) -> tuple[int, int, int]:
         return self.stats.get(index, (0, 0, 0))
+
+
+class FakeStorage:
+    """A storage of `nbytes` with an address of its own and no memory behind it."""
+
+    _next = 1 << 40
+
+    def __init__(self, nbytes: int):
+        self._nbytes = int(nbytes)
+        self._ptr = FakeStorage._next
+        FakeStorage._next += max(1, self._nbytes)
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+class FakeTensor:
+    """What job.breakdown reads of a tensor (its device, its storage), for 80 GB layouts on a machine without
+    cards: `FakeTensor(2 << 30)`, or a view of another's storage: `FakeTensor(storage=bucket.untyped_storage())`."""
+
+    def __init__(self, nbytes: int = 0, *, device: str = "cuda:0", storage: FakeStorage | None = None):
+        import torch
+
+        self.device = torch.device(device)
+        self._storage = storage if storage is not None else FakeStorage(nbytes)
+
+    def untyped_storage(self) -> FakeStorage:
+        return self._storage
+
+
+class FakeLayout:
+    """A strategy stand-in for job.breakdown.Memory: its cards (`devices`) and what `memory_tensors` says each
+    holds, given in bytes per card and kind: [{"parameters": [2 << 30], "optimizer_state": [2 << 30, ...]}, ...]."""
+
+    def __init__(self, devices: list[str], per_card: list[dict[str, list[int]]]):
+        import torch
+
+        self.devices = [torch.device(d) for d in devices]
+        self.tensors = [{kind: [FakeTensor(n, device=d) for n in sizes] for kind, sizes in card.items()}
+                        for d, card in zip(devices, per_card, strict=True)]
+
+    def memory_tensors(self, optimizer):
+        return self.tensors
+
+    def all_gather_object(self, obj) -> list:
+        return [obj]

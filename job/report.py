@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from job import breakdown
 from job.strategies import graphs
 
 log = logging.getLogger("job")
@@ -19,7 +20,8 @@ MB = 1024 * 1024
 def card_rows(devices: list[torch.device], *, rank: int, plan_cards=None) -> list[dict]:
     """One row per CUDA device this process drives; [] on CPU. `plan_cards` (job.memplan, same order as
     `devices`) adds each card's planned samples and its headroom: the memory the card had for this job
-    when it planned (free + already held) minus this job's peak reserved, i.e. what was still free at peak."""
+    when it planned (free + already held) minus this job's peak reserved, i.e. what was still free at peak; under
+    memory.cap_gb at most what the cap leaves (`cap_bytes`)."""
     if not devices or devices[0].type != "cuda":
         return []
     from job import devices as devmod
@@ -36,6 +38,7 @@ def card_rows(devices: list[torch.device], *, rank: int, plan_cards=None) -> lis
         reserved = torch.cuda.max_memory_reserved(d)
         mem = devmod.card_memory(card) if card is not None else None
         props = torch.cuda.get_device_properties(d)
+        cap = breakdown.cap_of(d.index)
         rows.append({
             "rank": rank,
             "device": f"cuda:{d.index}",
@@ -49,7 +52,10 @@ def card_rows(devices: list[torch.device], *, rank: int, plan_cards=None) -> lis
             "nvml_total_bytes": mem[1] if mem else None,
             "planned_samples": plan.samples if plan else None,
             "predicted_peak_bytes": plan.predicted_peak if plan else None,
-            "headroom_bytes": plan.free + plan.held - reserved if plan and plan.total else None,
+            "headroom_bytes": breakdown.cap_headroom(
+                cap=cap, peak_reserved=reserved,
+                card_headroom=plan.free + plan.held - reserved if plan and plan.total else None) if plan else None,
+            "cap_bytes": cap,
         })
     return rows
 
@@ -93,7 +99,8 @@ def table(rows: list[dict], *, throughput: float | str, unit: str, title: str) -
         samples = r.get("planned_samples")
         body.append([str(r["rank"]), r["device"], r["name"], r["uuid"][:13],
                      str(samples) if samples is not None else "-", mb(r["peak_allocated_bytes"]),
-                     mb(r.get("predicted_peak_bytes")), mb(r["peak_reserved_bytes"]), mb(r.get("headroom_bytes")),
+                     mb(r.get("predicted_peak_bytes")), mb(r["peak_reserved_bytes"]),
+                     mb(r.get("headroom_bytes")) + (" (cap)" if r.get("cap_bytes") is not None else ""),
                      nv, f"{r['peak_allocated_bytes'] / peak_max:.0%}"])
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -101,5 +108,8 @@ def table(rows: list[dict], *, throughput: float | str, unit: str, title: str) -
     lines += [fmt.format(*b) for b in body]
     ratio = imbalance(rows)
     lines.append(f"busiest/least busy card (peak allocated): {ratio:.2f}x" if ratio else "single card")
+    capped = [f"{r['device']} {r['cap_bytes'] / 1e9:g} GB" for r in rows if r.get("cap_bytes") is not None]
+    if capped:
+        lines.append(f"(cap): headroom within memory.cap_gb ({', '.join(capped)}), not the card's free memory")
     lines.append(f"throughput: {rate}")
     return "\n".join(lines)

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
+from job import breakdown, failure, launch, memplan, report, rundir
 from job import checkpoint as ckpt
-from job import config, failure, launch, memplan, recompute, report, rundir
+from job import config, recompute
 from job import workload as wl
 from job.config import summary
 from job.data import Data
@@ -239,6 +240,7 @@ class Trainer:
         self.clock = _Clock()
         self.peaks_from = 0  # the per-card peaks cover the steps after this one (set by the loop)
         report.card_rows(self.devices, rank=env.rank)  # NVML start-up and card mapping, before any timing
+        self.memory = breakdown.Memory(self.strategy, self.optimizer, rank=env.rank)  # every rank: gathers pids
         self.telemetry = None
         if cfg.telemetry.port:
             self.telemetry = self._start_telemetry()
@@ -329,7 +331,7 @@ class Trainer:
             self.cfg.telemetry, run=self.run_id, strategy=self.cfg.strategy.name, rank=self.env.rank,
             local_rank=self.env.local_rank, world_size=self.env.world_size, info=summary(self.cfg),
             device=self.device if self.device.type == "cuda" else None,
-            plan=list(zip(self.devices, self.strategy.local_cards(self.plan))),
+            plan=list(zip(self.devices, self.strategy.local_cards(self.plan))), memory=self.memory,
         )
         try:
             tel.start()
@@ -595,6 +597,7 @@ class Trainer:
 
     def _log_step(self, loss: float, rate: float, *, cards: bool, val: dict | None = None) -> None:
         rows = self._rows()
+        kinds = self.memory.rows()
         if val is not None and self.telemetry is not None:
             self.telemetry.observe_validation(val)
         if not self.is_main:
@@ -607,7 +610,7 @@ class Trainer:
         if val is not None:
             log.info("%s", self.evaluator.line(val))
         record = {"step": self.step, "loss": loss, "samples_per_s": rate, f"{unit}_per_s": rate * k,
-                  "time": time.time(), "cards": rows, **(val or {})}
+                  "time": time.time(), "cards": rows, "memory_breakdown": kinds, **(val or {})}
         self.rundir.append_line("metrics.jsonl", json.dumps(record))
 
     def save_checkpoint(self) -> None:
@@ -693,6 +696,7 @@ class Trainer:
         t = self.cfg.train
         throughput = self.clock.rate(t.batch_size)
         rows = self._rows()
+        kinds = self.memory.rows()
         if not self.is_main:
             return
         k = self.workload.units(self.settings)
@@ -705,7 +709,7 @@ class Trainer:
             "imbalance": report.imbalance(rows), "params": param_count(self.model),
             "peak_window": [self.peaks_from, self.step],  # peaks: steps after peaks_from up to here
             "validation": self.evaluator.last,  # the last evaluation's val_loss, val_accuracy, val_samples
-            "cards": rows,
+            "cards": rows, "memory_breakdown": kinds,
         }
         self.rundir.write_text("summary.json", json.dumps(summary_doc, indent=2) + "\n")
         title = (f"per-card memory: {self.cfg.strategy.name}, {self.cfg.workload.name}, global batch "
@@ -713,6 +717,8 @@ class Trainer:
         untimed = ("n/a (every step of this run was warm-up, which the throughput leaves out: run more steps, or "
                    "lower train.timing_warmup)")
         print(report.table(rows, throughput=untimed if rate is None else rate, unit=unit, title=title), flush=True)
+        print(breakdown.table(kinds, title=f"memory by kind, GB (10^9 bytes), at the peak of steps "
+                                           f"{self.peaks_from + 1}-{self.step} (docs/memory-breakdown.md)"), flush=True)
 
     def close(self) -> None:
         if self.telemetry is not None:

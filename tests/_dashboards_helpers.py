@@ -30,10 +30,17 @@ CONTRACT = {
 } | {
     # the memory plan's per-card gauges (labels rank, local_rank, uuid, strategy, run), see PLAN
     "trainjob_plan_samples", "trainjob_plan_headroom_bytes",
+} | {
+    # each card's memory by kind (job/breakdown.py), and the other processes on it (labels as the plan's + kind,
+    # pid, process)
+    "trainjob_memory_breakdown_bytes", "trainjob_memory_other_process_bytes",
 }
 # The memory plan's series come from a real trainer (job/memplan.py); the fake node of the live test has
 # none, so there the panel built on them may be empty (the docker and GPU tests require them).
 PLAN = {"trainjob_plan_samples", "trainjob_plan_headroom_bytes"}
+# Other processes exist only where something else holds memory on the job's cards (a tenant): a run alone on its
+# cards has none, so the panel built on them may be empty there (tests/test_dashboards_live.py's node has one).
+OTHER_PROCESSES = {"trainjob_memory_other_process_bytes"}
 PROMETHEUS_BUILTIN = {"up", "ALERTS"}
 # Series a CPU training run produces (no card, no allocator): the panels built only on these must
 # return data in the docker end-to-end test; the others must parse and evaluate.
@@ -48,7 +55,7 @@ GRAFANA_BUILTINS = {"__rate_interval": "1m", "__interval": "15s", "__range": "1h
 # ------------------------------------------------------------------ the model this project uses
 
 DATASOURCE_REF = {"type": "prometheus", "uid": "${datasource}"}
-PANEL_TYPES = {"timeseries", "stat", "bargauge", "table", "gauge"}
+PANEL_TYPES = {"timeseries", "stat", "bargauge", "table", "gauge", "barchart"}
 UNITS = {"bytes", "percentunit", "s", "none", "short"}
 PANEL_OPTIONS = {
     "timeseries": {"legend", "tooltip"},
@@ -56,7 +63,10 @@ PANEL_OPTIONS = {
     "gauge": {"reduceOptions", "orientation", "showThresholdLabels", "showThresholdMarkers"},
     "bargauge": {"reduceOptions", "orientation", "displayMode", "showUnfilled"},
     "table": {"showHeader", "cellHeight", "footer"},
+    "barchart": {"legend", "tooltip", "orientation", "stacking", "showValue", "xField"},
 }
+# Transformations this project uses, with their options (Grafana's transformer ids).
+TRANSFORMATIONS = {"groupingToMatrix": {"columnField", "rowField", "valueField"}}
 ENUMS = {
     "legend.displayMode": {"list", "table", "hidden"},
     "legend.placement": {"bottom", "right"},
@@ -72,6 +82,8 @@ ENUMS = {
     "custom.drawStyle": {"line", "bars", "points"},
     "custom.showPoints": {"auto", "never", "always"},
     "format": {"time_series", "table", "heatmap"},
+    "stacking": {"none", "normal", "percent"},
+    "showValue": {"auto", "always", "never"},
 }
 CALCS = {"lastNotNull", "last", "max", "min", "mean", "sum", "firstNotNull", "first"}
 
@@ -119,7 +131,8 @@ def _validate_target(p: Problems, t, where: str) -> None:
 def _validate_options(p: Problems, kind: str, opts, where: str) -> None:
     if not p.keys(opts, where, set(), PANEL_OPTIONS.get(kind, set())):
         return
-    for k in ("colorMode", "graphMode", "textMode", "justifyMode", "orientation", "displayMode", "cellHeight"):
+    for k in ("colorMode", "graphMode", "textMode", "justifyMode", "orientation", "displayMode", "cellHeight",
+              "stacking", "showValue"):
         if k in opts:
             p.enum(opts[k], f"{where}.{k}", k)
     if "legend" in opts and p.keys(opts["legend"], f"{where}.legend", {"showLegend", "displayMode", "placement"},
@@ -161,7 +174,8 @@ def _validate_field_config(p: Problems, kind: str, fc, where: str) -> None:
 
 def _validate_panel(p: Problems, panel, where: str) -> None:
     if not p.keys(panel, where, {"id", "type", "title", "datasource", "gridPos", "targets", "fieldConfig",
-                                 "options"}, {"description", "transparent", "interval", "maxDataPoints"}):
+                                 "options"}, {"description", "transparent", "interval", "maxDataPoints",
+                                              "transformations"}):
         return
     p.typed(panel, where, {"id": int, "title": str, "description": str})
     p.need(panel["type"] in PANEL_TYPES, where, f"panel type `{panel['type']}` is not one of {sorted(PANEL_TYPES)}")
@@ -178,6 +192,15 @@ def _validate_panel(p: Problems, panel, where: str) -> None:
         p.need(len(refs) == len(set(refs)), where, f"duplicate refIds {refs}")
         for i, t in enumerate(targets):
             _validate_target(p, t, f"{where}.targets[{i}]")
+    for i, tr in enumerate(panel.get("transformations", [])):
+        at = f"{where}.transformations[{i}]"
+        if p.keys(tr, at, {"id", "options"}) and p.need(tr["id"] in TRANSFORMATIONS, at,
+                                                        f"transformation `{tr['id']}` is not one of "
+                                                        f"{sorted(TRANSFORMATIONS)}"):
+            p.keys(tr["options"], f"{at}.options", TRANSFORMATIONS[tr["id"]])
+    if panel["type"] == "barchart":
+        tables = isinstance(targets, list) and all(t.get("format") == "table" for t in targets if isinstance(t, dict))
+        p.need(tables, where, "a bar chart reads instant table queries")
     _validate_field_config(p, panel["type"], panel["fieldConfig"], f"{where}.fieldConfig")
     _validate_options(p, panel["type"], panel["options"], f"{where}.options")
 

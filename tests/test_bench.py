@@ -283,12 +283,20 @@ def test_error_line(log, line):
     assert _error_line(log) == line
 
 
-def _card(rank, i, peak, reserved, used):
+def _card(rank, i, peak, reserved, used, tensors=(0.5, 0.5, 1.0)):
+    """A card as the bench reads it from summary.json; its kinds (job/breakdown.py) from the same figures: the
+    parameters, gradients and optimizer state given (GiB), the rest of the peak activations, the cache up to the
+    reserved, the context up to NVML's used."""
     gb = 1024**3
+    params, grads, state = (int(t * gb) for t in tensors)
+    kinds = {"parameters": params, "gradients": grads, "optimizer_state": state,
+             "activations": int(peak * gb) - params - grads - state, "allocator_cache": int((reserved - peak) * gb),
+             "cuda_context": int((used - reserved) * gb), "other_processes": 0, "unattributed": 0,
+             "free": int((150 - used) * gb)}
     return {"rank": rank, "device": f"cuda:{i}", "name": "NVIDIA H200", "uuid": f"GPU-{i:08d}-aaaa",
             "pci_bus_id": f"00000000:{0x18 + i:02X}:00.0", "peak_allocated_bytes": int(peak * gb),
             "peak_reserved_bytes": int(reserved * gb), "nvml_used_bytes": int(used * gb),
-            "nvml_total_bytes": 150 * gb}
+            "nvml_total_bytes": 150 * gb, "kinds": kinds}
 
 
 def _run(name, kind, strategy, cards, world, sps, *, repeat=1, status="ok", reason=None, window=(10, 60)):
@@ -325,11 +333,11 @@ def _settings(**kw) -> dict:
 def _gpu_doc() -> dict:
     """A 2-GPU result document of 2 repeats, shaped exactly like a real run's (no GPU here to make one)."""
     runs = [_run("1gpu", "baseline", "ddp", [_card(0, 0, 8.6, 9.0, 10.1)], 1, 330.0),
-            _run("dp", "strategy", "dp", [_card(0, 0, 14.1, 15.0, 16.2), _card(0, 1, 3.0, 3.5, 4.1)], 1, 96.0),
+            _run("dp", "strategy", "dp", [_card(0, 0, 14.1, 15.0, 16.2), _card(0, 1, 3.0, 3.5, 4.1, (0, 0, 0))], 1, 96.0),
             _run("ddp", "strategy", "ddp", [_card(0, 0, 8.3, 9.0, 10.0), _card(1, 1, 8.3, 9.0, 10.0)], 2, 545.0),
             _run("balanced", "strategy", "balanced", [], 1, None, status="failed",
                  reason="torch.OutOfMemoryError: CUDA out of memory"),
-            _run("dp", "strategy", "dp", [_card(0, 0, 14.2, 15.0, 16.2), _card(0, 1, 3.1, 3.5, 4.1)], 1, 98.0, repeat=2),
+            _run("dp", "strategy", "dp", [_card(0, 0, 14.2, 15.0, 16.2), _card(0, 1, 3.1, 3.5, 4.1, (0, 0, 0))], 1, 98.0, repeat=2),
             _run("ddp", "strategy", "ddp", [_card(0, 0, 8.3, 9.0, 10.0), _card(1, 1, 8.3, 9.0, 10.0)], 2, 555.0,
                  repeat=2),
             _run("balanced", "strategy", "balanced", [], 1, None, repeat=2, status="failed",
@@ -369,8 +377,21 @@ def test_gpu_shaped_results_table_and_chart(tmp_path):
     assert "  dp / ddp: tok/s 0.18x: ranges do not overlap" in lines
     assert "  dp / ddp: busiest card's peak allocated 1.70x: ranges do not overlap" in lines
     assert not any("balanced /" in x for x in lines)
+    # memory by kind per card, GB (10^9 bytes), medians of the repeats: dp's optimizer state only on card 0
+    start = lines.index("memory by kind at the peak, GB (10^9 bytes), median of the repeats (docs/memory-breakdown.md):")
+    assert lines[start + 1].split()[:5] == ["run", "card", "params", "grads", "optimizer"]
+    kinds = {tuple(x.split()[:2]): x.split()[2:] for x in lines[start + 3:start + 8]}
+    gib = 1024**3 / 1e9
+    assert kinds["dp", "cuda:0"][:4] == [f"{0.5 * gib:.2f}", f"{0.5 * gib:.2f}", f"{gib:.2f}", f"{12.15 * gib:.2f}"]
+    assert kinds["dp", "cuda:1"][:4] == ["0.00", "0.00", "0.00", f"{3.05 * gib:.2f}"]
+    assert set(kinds) == {("1gpu", "cuda:0"), ("dp", "cuda:0"), ("dp", "cuda:1"), ("ddp", "cuda:0"), ("ddp", "cuda:1")}
+    assert by_name_cards(doc, "dp")[0]["kinds"]["optimizer_state"]["median"] == 1024**3
     bench.write_chart(doc, tmp_path / "c.png")
     assert_png(tmp_path / "c.png")
+
+
+def by_name_cards(doc: dict, name: str) -> list[dict]:
+    return next(r for r in doc["workloads"][0]["summary"] if r["name"] == name)["cards"]
 
 
 def test_same_window_rule_flags_a_run_whose_peaks_cover_other_steps():

@@ -75,7 +75,19 @@ MUTATIONS = {
     "variable not label_values": (lambda d: d["templating"]["list"][1].update(query="up"),
                                   "is not label_values"),
     "no datasource variable": (lambda d: d["templating"]["list"].pop(0), "needs the `datasource` variable"),
+    "unknown transformation": (lambda d: _by_type(d, "barchart")["transformations"][0].update(id="pivot"),
+                               "transformation `pivot` is not one of"),
+    "transformation option": (lambda d: _by_type(d, "barchart")["transformations"][0]["options"].update(row="x"),
+                              "unknown key `row`"),
+    "bar chart over a range query": (lambda d: _by_type(d, "barchart")["targets"][0].update(format="time_series"),
+                                     "a bar chart reads instant table queries"),
+    "bad stacking": (lambda d: _by_type(d, "barchart")["options"].update(stacking="stacked"),
+                     "`stacked` is not one of"),
 }
+
+
+def _by_type(d: dict, kind: str) -> dict:
+    return next(p for p in d["panels"] if p["type"] == kind)
 
 
 @pytest.mark.parametrize("case", sorted(MUTATIONS))
@@ -105,6 +117,24 @@ def test_dashboard_shows_what_issue_5_asks_for():
     names = [n for n, _ in variable_queries(d)]
     assert names == ["host", "run", "strategy"]
     assert {"host", "run", "strategy"} <= set().union(*(variables_used(e) for _, e in queries))
+
+
+@pytest.mark.parametrize("path", [DASHBOARDS / "trainjob.json", ROOT / "k8s" / "monitoring" / "dashboards" / "trainjob.json"],
+                         ids=["compose", "kubernetes"])
+def test_dashboard_stacks_each_cards_memory_by_kind(path):
+    """Issue 28: one stacked bar per card, its segments the kinds of job/breakdown.py, for the run picked; and the
+    other processes by pid and name."""
+    d = json.loads(path.read_text())
+    (bars,) = [p for p in d["panels"] if p["type"] == "barchart"]
+    (query,) = bars["targets"]
+    assert metric_names(query["expr"]) == {"trainjob_memory_breakdown_bytes", "trainjob_info"}
+    assert "max by (uuid, kind)" in query["expr"] and {"run", "strategy", "host"} <= variables_used(query["expr"])
+    assert bars["transformations"] == [{"id": "groupingToMatrix", "options": {
+        "columnField": "kind", "rowField": "uuid", "valueField": "Value"}}]
+    assert bars["options"]["stacking"] == "normal" and bars["options"]["xField"] == "uuid\\kind"
+    assert bars["fieldConfig"]["defaults"]["unit"] == "bytes"
+    others = [e for _, _, e in panel_queries(d) if "trainjob_memory_other_process_bytes" in e]
+    assert len(others) == 1 and "max by (uuid, pid, process)" in others[0]
 
 
 def test_every_query_parses_with_promtool(tmp_path):

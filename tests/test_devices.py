@@ -222,6 +222,8 @@ def test_fake_nvml_matches_pynvml():
     assert {"busId"} <= {f[0] for f in pynvml.nvmlPciInfo_t._fields_}
     assert {"used", "total", "free"} <= {f[0] for f in pynvml.c_nvmlMemory_t._fields_}
     assert {"gpu"} <= {f[0] for f in pynvml.c_nvmlUtilization_t._fields_}
+    # job.breakdown reads the running-process list's entries (FakeProcess has the same attributes)
+    assert {"pid", "usedGpuMemory"} <= {f[0] for f in pynvml.c_nvmlProcessInfo_t._fields_}
 
 
 def test_devices_import_is_side_effect_free():

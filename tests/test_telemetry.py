@@ -428,7 +428,7 @@ def test_export_port_in_use_exit_2():
 
 def test_bench_scrape_runs():
     r = telemetry.bench_scrape(cards=2, ranks=2, scrapes=5)
-    assert r["ranks"] == 2 and r["series"] > 20 and r["p50_ms"] > 0
+    assert r["ranks"] == 2 and r["series"] > 20 and r["p50_ms"] > 0 and r["breakdown_us"] > 0
     o = telemetry.bench_overhead(blocks=2, steps=5, scrape_every=0.01)
     assert o["step_ms_off"] > 0 and o["step_ms_on"] > 0
 

@@ -1,4 +1,5 @@
-"""bench.png: per workload, per-card memory (left) and throughput or the largest batch/model (right)."""
+"""bench.png: per workload, per-card memory (left: stacked by kind where the runs have their breakdown) and
+throughput or the largest batch/model (right)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,14 @@ from pathlib import Path
 
 from job.bench.results import _card_key
 from job.bench.settings import MAXBATCH_KEYS
+from job.breakdown import KINDS
 
 GIB = 1024**3
+# One colour per kind of job/breakdown.py, the tensors in blues, what the allocator and the driver hold in greys,
+# other processes in red; free is not drawn (it would dwarf the rest).
+KIND_COLORS = {"parameters": "#08519c", "gradients": "#3182bd", "optimizer_state": "#6baed6",
+               "activations": "#fd8d3c", "allocator_cache": "#bdbdbd", "cuda_context": "#737373",
+               "other_processes": "#de2d26", "unattributed": "#d9d9d9"}
 
 
 def _si(x: float, _pos=None) -> str:
@@ -61,7 +68,11 @@ def write_chart(doc: dict, path: Path) -> None:
                                      for c in r["cards"]],
                              "devices": [c["device"] for c in r["cards"]]})
                 for r in rows if r["ok"] and r["cards"]]
-        _memory_bars(ax_mem, bars, doc, f"{w['workload']}: per-card peak over the timed steps (median)")
+        by_kind = [(r["name"], r["cards"]) for r in rows if r["ok"] and r["cards"]]
+        if by_kind and all(c.get("kinds") for _, cards in by_kind for c in cards):
+            _kind_bars(ax_mem, by_kind, f"{w['workload']}: per-card memory by kind at the peak (median)")
+        else:
+            _memory_bars(ax_mem, bars, doc, f"{w['workload']}: per-card peak over the timed steps (median)")
         ys = [r["units_per_s"]["median"] if r["units_per_s"] else 0.0 for r in rows]
         err = [[(r["units_per_s"]["median"] - r["units_per_s"]["min"]) if r["units_per_s"] else 0 for r in rows],
                [(r["units_per_s"]["max"] - r["units_per_s"]["median"]) if r["units_per_s"] else 0 for r in rows]]
@@ -88,6 +99,30 @@ def write_chart(doc: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _kind_bars(ax, runs: list[tuple[str, list[dict]]], title: str) -> None:
+    """One stacked bar per card of every run, a segment per kind (medians of the repeats, GB)."""
+    width = 0.8 / max(len(cards) for _, cards in runs)
+    labelled, tallest = set(), 0.0
+    for x, (_, cards) in enumerate(runs):
+        for i, c in enumerate(cards):
+            pos, bottom = x - 0.4 + width * (i + 0.5), 0.0
+            for kind in KINDS:
+                if kind == "free" or c["kinds"][kind] is None:
+                    continue
+                value = c["kinds"][kind]["median"] / 1e9
+                ax.bar(pos, value, width * 0.9, bottom=bottom, color=KIND_COLORS[kind],
+                       label=kind.replace("_", " ") if kind not in labelled else None)
+                labelled.add(kind)
+                bottom += value
+            ax.text(pos, bottom, c["device"].split(":")[-1], ha="center", va="bottom", fontsize=7)
+            tallest = max(tallest, bottom)
+    ax.set_ylim(0, (tallest or 1) * 1.45)  # room for the card labels and the legend above the bars
+    ax.set_xticks(range(len(runs)), [name for name, _ in runs], rotation=20, ha="right")
+    ax.set_ylabel("GB per card (10^9 bytes; free not drawn)")
+    ax.legend(fontsize=7, ncol=4, loc="upper center")
+    ax.set_title(title)
 
 
 def _memory_bars(ax, bars: list[tuple[str, dict]], doc: dict, title: str) -> None:

@@ -15,6 +15,7 @@ from job.bench.imagefolder import image_folder
 from job.bench.process import _free_port
 from job.bench.results import COMPARED, _card_key, empty_run, workload_result
 from job.bench.settings import _multi_process
+from job.breakdown import KINDS
 
 if TYPE_CHECKING:
     from job.bench.runner import Bench
@@ -30,6 +31,15 @@ def spread(values: list[float]) -> dict[str, Any] | None:
     if not values:
         return None
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+def kinds_spread(per_run: list[dict | None]) -> dict[str, Any] | None:
+    """Median and range of each kind of one card over the repeats; a kind some repeat could not measure is None,
+    and so is the whole when a repeat has no breakdown of the card."""
+    if not per_run or any(k is None for k in per_run):
+        return None
+    return {kind: spread([k[kind] for k in per_run]) if all(k[kind] is not None for k in per_run) else None
+            for kind in KINDS}
 
 
 def overlapping(a: dict, b: dict) -> bool:
@@ -67,7 +77,8 @@ def summarize(runs: list[dict], names: list[str], *, window: list[int]) -> list[
                 cards.append({"rank": key[0], "device": key[1],
                               "peak_allocated_bytes": spread([c["peak_allocated_bytes"] for c in per]),
                               "peak_reserved_bytes": spread([c["peak_reserved_bytes"] for c in per]),
-                              "nvml_used_bytes": spread(used) if None not in used else None})
+                              "nvml_used_bytes": spread(used) if None not in used else None,
+                              "kinds": kinds_spread([c.get("kinds") for c in per])})
         first = group[0]
         reasons = sorted({f"{r['status']}: {r['reason']}" for r in group if r["status"] != "ok"})
         status = "ok" if len(ok) == len(group) else (f"ok {len(ok)}/{len(group)}; " if ok else "") + "; ".join(reasons)

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-SCHEMA_ID = "trainjob-bench/2"
+from job.breakdown import KINDS
+
+SCHEMA_ID = "trainjob-bench/3"  # 3: each card's memory by kind (cards[].kinds)
 # Runs whose numbers are compared across repeats (one table row each).
 COMPARED = ("baseline", "strategy", "imagefolder")
 
@@ -30,10 +32,13 @@ def _array(items: dict[str, Any]) -> dict[str, Any]:
     return {"type": "array", "items": items}
 
 
+# A card's memory by kind at the peak (job/breakdown.py; bytes, None where a source could not say); None for a
+# run whose summary.json has no breakdown of that card.
+KINDS_SCHEMA = _nullable(_obj(dict.fromkeys(KINDS, _nullable(_INT))))
 CARD_SCHEMA = _obj({
     "rank": _INT, "device": _STR, "name": _STR, "uuid": _STR, "pci_bus_id": _STR,
     "peak_allocated_bytes": _INT, "peak_reserved_bytes": _INT,
-    "nvml_used_bytes": _nullable(_INT), "nvml_total_bytes": _nullable(_INT),
+    "nvml_used_bytes": _nullable(_INT), "nvml_total_bytes": _nullable(_INT), "kinds": KINDS_SCHEMA,
 })
 RUN_SCHEMA = _obj({
     "name": _STR,
@@ -78,7 +83,8 @@ SUMMARY_SCHEMA = _obj({
     "scaling_vs_1": _nullable(_NUM), "scaling_note": _nullable(_STR),
     "peak_window": _nullable(_array(_nullable(_INT))), "same_window": _BOOL,
     "cards": _array(_obj({"rank": _INT, "device": _STR, "peak_allocated_bytes": SPREAD_SCHEMA,
-                          "peak_reserved_bytes": SPREAD_SCHEMA, "nvml_used_bytes": _nullable(SPREAD_SCHEMA)})),
+                          "peak_reserved_bytes": SPREAD_SCHEMA, "nvml_used_bytes": _nullable(SPREAD_SCHEMA),
+                          "kinds": _nullable(_obj(dict.fromkeys(KINDS, _nullable(SPREAD_SCHEMA))))})),
     "status": _STR,
 })
 COMPARISON_SCHEMA = _obj({

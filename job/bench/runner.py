@@ -252,7 +252,9 @@ class Bench:
         if sps is None:
             raise ValueError(f"metrics.jsonl has no records for steps {warmup} and {total}")
         k = config_mod.workload_of(child_cfg).workload.units(config_mod.workload_settings(child_cfg))
-        cards = [{key: r.get(key) for key in CARD_SCHEMA["properties"]} for r in summary.get("cards", [])]
+        kinds = {(b["rank"], b["device"]): b["kinds"] for b in summary.get("memory_breakdown", [])}
+        cards = [{**{key: r.get(key) for key in CARD_SCHEMA["properties"]}, "kinds": kinds.get((r["rank"], r["device"]))}
+                 for r in summary.get("cards", [])]
         world = int(summary["world_size"])
         window = summary.get("peak_window")
         row.update({

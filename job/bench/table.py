@@ -5,6 +5,7 @@ from __future__ import annotations
 from job.bench.environment import versions
 from job.bench.results import _card_key
 from job.bench.settings import MAXBATCH_KEYS, _registered_name
+from job.breakdown import HEADS, KINDS
 
 MB = 1024 * 1024  # MB in tables means MiB, as in the trainer's table (job/report.py)
 
@@ -71,6 +72,7 @@ def table(doc: dict, w: dict) -> str:
             _fmt(r["units_per_s"]), scaling, status,
         ])
     lines += _grid(head, body)
+    lines += _kinds_table(w["summary"])
     if doc["device"] == "cpu":
         lines.append("(CPU: no per-card memory; throughput numbers only exercise the path)")
     if w["comparisons"]:
@@ -93,6 +95,19 @@ def table(doc: dict, w: dict) -> str:
                          f"{o['off_median_step_s'] * 1e3:.2f} ms off -> {o['on_median_step_s'] * 1e3:.2f} ms on "
                          f"= {o['overhead']:+.2%}" + (f" ({o['note']})" if o["note"] else ""))
     return "\n".join(lines)
+
+
+def _kinds_table(rows: list[dict]) -> list[str]:
+    """Each run's cards by kind at the peak (job/breakdown.py), GB (10^9 bytes), medians over the repeats."""
+    cards = [(r, c) for r in rows if r["ok"] for c in r["cards"] if c.get("kinds")]
+    if not cards:
+        return []
+    head = ["run", "card", *(HEADS[k] for k in KINDS)]
+    body = [[r["name"], f"{c['device']}" + (f" (rank {c['rank']})" if r["world_size"] and r["world_size"] > 1 else ""),
+             *("n/a" if c["kinds"][k] is None else f"{c['kinds'][k]['median'] / 1e9:.2f}" for k in KINDS)]
+            for r, c in cards]
+    return ["memory by kind at the peak, GB (10^9 bytes), median of the repeats (docs/memory-breakdown.md):",
+            *_grid(head, body)]
 
 
 def _maxbatch_table(doc: dict, w: dict) -> str:

@@ -36,7 +36,7 @@ from torch import nn
 from job import memplan
 from job.errors import UsageError
 from job.strategies import comm, graphs
-from job.strategies.base import Strategy, parse_gpu0, parse_mode, split_sizes
+from job.strategies.base import Strategy, optimizer_state_tensors, parse_gpu0, parse_mode, split_sizes
 from job.strategies.workers import Worker, result
 
 __all__ = ["BalancedStrategy", "parse_gpu0", "split_sizes"]
@@ -291,6 +291,18 @@ class BalancedStrategy(Strategy):
         if self.reducer is not None:
             self.reducer.remove()
             self.reducer = None
+
+    def memory_tensors(self, optimizer) -> list[dict[str, list[torch.Tensor]]]:
+        """Card k holds replica k: its parameters and buffers, its gradients (the reducer's buckets whole, which
+        stay allocated between steps) and its share of the one optimizer's state."""
+        out = []
+        for k, (replica, params) in enumerate(zip(self._plain_replicas(), self._params, strict=True)):
+            grads = [p.grad for p in params if p.grad is not None]
+            if self.reducer is not None:
+                grads = list(self.reducer.homes[k].flats) + grads
+            out.append({"parameters": params + list(replica.buffers()), "gradients": grads,
+                        "optimizer_state": optimizer_state_tensors(optimizer, params)})
+        return out
 
 
 def _running_stats(module: nn.Module) -> list[torch.Tensor]:

@@ -139,6 +139,41 @@ class Strategy:
     def teardown(self) -> None:
         pass
 
+    def memory_tensors(self, optimizer) -> list[dict[str, list[torch.Tensor]]]:
+        """Per card this process drives (self.devices order): the tensors that are its parameters (and buffers),
+        gradients and optimizer state, for job.breakdown (which counts each storage once). Here every tensor goes
+        to the card it lives on: under dp the module, its reduced gradients and the optimizer state all sit on
+        card 0 (the replicas DataParallel makes on the other cards every step are temporaries)."""
+        params = unique_tensors([p for g in optimizer.param_groups for p in g["params"]]
+                                + list(self.module.parameters()))  # frozen ones too
+        return tensors_by_device(self.devices, params=params, buffers=list(self.module.buffers()),
+                                 optimizer=optimizer)
+
+
+def unique_tensors(tensors: list) -> list:
+    seen: set[int] = set()
+    return [t for t in tensors if not (id(t) in seen or seen.add(id(t)))]
+
+
+def optimizer_state_tensors(optimizer, params) -> list[torch.Tensor]:
+    """The optimizer's state tensors (moments, step counters) of `params`."""
+    state = optimizer.state
+    return [v for p in params for v in list(state.get(p, {}).values()) if torch.is_tensor(v)]
+
+
+def tensors_by_device(devices, *, params, buffers, optimizer, local=lambda t: t) -> list[dict[str, list[torch.Tensor]]]:
+    """The three kinds per device of `devices`, each tensor (as `local` gives it) on the card it lives on."""
+    kinds = {"parameters": [local(t) for t in params + buffers],
+             "gradients": [local(p.grad) for p in params if p.grad is not None],
+             "optimizer_state": [local(t) for t in optimizer_state_tensors(optimizer, params)]}
+    out: list[dict[str, list[torch.Tensor]]] = [{k: [] for k in kinds} for _ in devices]
+    for kind, tensors in kinds.items():
+        for t in tensors:
+            k = next((i for i, d in enumerate(devices) if t.device == d), None)
+            if k is not None:  # elsewhere (a CPU copy): not on any of this process's cards
+                out[k][kind].append(t)
+    return out
+
 
 def disable_cudnn_autotune(strategy: str, devices: list[torch.device]) -> None:
     """DataParallel-style strategies run replicas in threads; keep cuDNN from re-tuning each step."""

@@ -38,6 +38,7 @@ from torch import nn
 
 from job import memplan
 from job.errors import UsageError
+from job.strategies.base import tensors_by_device, unique_tensors
 from job.strategies.ddp import DDPStrategy
 
 log = logging.getLogger("job")
@@ -199,3 +200,11 @@ class FSDPStrategy(DDPStrategy):
         set_optimizer_state_dict(self.module, opt, named, options=StateDictOptions(full_state_dict=True))
         for mine, saved in zip(opt.param_groups, groups, strict=True):  # the saved settings, types and all, as
             mine.update({k: v for k, v in saved.items() if k != "params"})  # Optimizer.load_state_dict keeps them
+
+    def memory_tensors(self, optimizer) -> list[dict[str, list[torch.Tensor]]]:
+        """This rank's shards: the optimizer's parameters are the sharded DTensors (the module's own attributes
+        are swapped for the all-gathered weights while a block runs), their gradients and state are DTensors too;
+        each counts as its local shard (`to_local`). The all-gathered weights are temporaries."""
+        params = unique_tensors([p for g in optimizer.param_groups for p in g["params"]])
+        return tensors_by_device(self.devices, params=params, buffers=list(self.module.buffers()), optimizer=optimizer,
+                          local=_local)

@@ -1,6 +1,6 @@
 """Per-card and per-rank metrics for Prometheus, read at scrape time.
 
-Four collectors, each over one injected source (read at scrape time), none with a polling thread, one file
+Five collectors, each over one injected source (read at scrape time), none with a polling thread, one file
 each:
 - `NvmlCollector` (nvml.py): per card from NVML (used/total/free bytes, utilisation), labels uuid,
   pci_bus_id, gpu (NVML index), name, host; plus `trainjob_nvml_up` (0 when NVML is missing or failing:
@@ -11,6 +11,8 @@ each:
 - `TrainingCollector` (training.py): step-time histogram, samples counter, loss, and `trainjob_info`, fed
   by `observe_step()` (three additions under a lock: the loop never waits on a scrape).
 - `PlanCollector` (plan.py): the memory plan per card (planned samples, predicted peak, headroom).
+- `BreakdownCollector` (breakdown.py): each card's memory by kind (`trainjob_memory_breakdown_bytes{kind}`,
+  job/breakdown.py), the other processes on it by pid, and the memory.cap_gb cap.
 
 `TrainingTelemetry` (rank.py) wires them into a trainer. With several ranks on a node, local rank 0
 serves the public port and, at each scrape, fetches the other local ranks' own loopback endpoints (found
@@ -27,6 +29,7 @@ import time.
 from __future__ import annotations
 
 from job.telemetry.allocator import AllocatorCollector, TorchAllocator
+from job.telemetry.breakdown import BreakdownCollector
 from job.telemetry.export import export_main
 from job.telemetry.labels import CARD_LABELS, RANK_LABELS
 from job.telemetry.nvml import NvmlCollector
@@ -36,6 +39,7 @@ from job.telemetry.rank import TrainingTelemetry
 from job.telemetry.scrapebench import bench_overhead, bench_scrape
 from job.telemetry.training import STEP_BUCKETS, TrainingCollector
 
-__all__ = ["CARD_LABELS", "RANK_LABELS", "STEP_BUCKETS", "AllocatorCollector", "NvmlCollector", "PlanCollector",
+__all__ = ["CARD_LABELS", "RANK_LABELS", "STEP_BUCKETS", "AllocatorCollector", "BreakdownCollector", "NvmlCollector",
+           "PlanCollector",
            "TorchAllocator", "TrainingCollector", "TrainingTelemetry", "bench_overhead", "bench_scrape",
            "export_main", "peer_dir_for", "private_dir"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from job import devices
+from job.breakdown import cap_headroom, cap_of
 from job.telemetry.labels import RANK_LABELS
 
 
@@ -26,7 +27,8 @@ class PlanCollector:
         predicted = GaugeMetricFamily("trainjob_plan_predicted_peak_bytes", "The memory plan's predicted peak "
                                       "allocated bytes of this job on the card.", labels=RANK_LABELS)
         headroom = GaugeMetricFamily("trainjob_plan_headroom_bytes", "Card memory still free at this job's peak: "
-                                     "free + held when it planned, minus its peak reserved.", labels=RANK_LABELS)
+                                     "free + held when it planned, minus its peak reserved (within memory.cap_gb "
+                                     "when set).", labels=RANK_LABELS)
         lab = self.labels
         for device, card in self.plan:
             index = device.index if device.type == "cuda" else None
@@ -42,7 +44,9 @@ class PlanCollector:
 
                 if torch.cuda.is_initialized():
                     peak = torch.cuda.max_memory_reserved(index)
-                    headroom.add_metric(row, float(card.free + card.held - peak))
+                    room = cap_headroom(cap=cap_of(index), peak_reserved=peak,
+                                        card_headroom=card.free + card.held - peak)
+                    headroom.add_metric(row, float(room))
         for fam in (samples, predicted, headroom):
             if fam.samples:
                 yield fam

@@ -12,6 +12,7 @@ from typing import Any
 
 from job import devices
 from job.telemetry.allocator import AllocatorCollector
+from job.telemetry.breakdown import BreakdownCollector
 from job.telemetry.labels import _label_name
 from job.telemetry.nvml import NvmlCollector
 from job.telemetry.peers import _Merged, _write_private, peer_dir_for, private_dir
@@ -26,18 +27,20 @@ class TrainingTelemetry:
     """Metrics of one training process; local rank 0 also serves the node's merged view.
 
     `nvml`, `allocator` and `cards` are injectable (tests, the benchmark); by default they are
-    pynvml, torch's allocator and `devices.visible_cards()`.
+    pynvml, torch's allocator and `devices.visible_cards()`. `memory` (a job.breakdown.Memory) adds each card's
+    memory by kind.
     """
 
     def __init__(self, tcfg, *, run: str, strategy: str, rank: int, local_rank: int, world_size: int,
                  info: dict[str, str], device, nvml=None, allocator=None, cards: list[devices.Card] | None = None,
-                 plan: list[tuple[Any, Any]] | None = None):
+                 plan: list[tuple[Any, Any]] | None = None, memory=None):
         self.tcfg = tcfg
         self.run, self.strategy = str(run), str(strategy)
         self.rank, self.local_rank, self.world_size = int(rank), int(local_rank), int(world_size)
         self.device = device
         self._nvml, self._allocator, self._cards = nvml, allocator, cards
         self._plan = plan or []
+        self._memory = memory  # job.breakdown.Memory: the cards' memory by kind, read at each scrape
         self.host = socket.gethostname()
         self.cards: list[devices.Card] = []
         self.uuid = ""
@@ -84,6 +87,8 @@ class TrainingTelemetry:
         self.registry.register(self.training)
         if self._plan:
             self.registry.register(PlanCollector(labels=lab, plan=self._plan, cards=self.cards))
+        if self._memory is not None:
+            self.registry.register(BreakdownCollector(labels=lab, memory=self._memory))
         if self.tcfg.port <= 0:
             return self
         peer_dir = private_dir(peer_dir_for(self.tcfg, self.run))

@@ -42,12 +42,28 @@ def _bench_cards(n: int):
     return nv, cards
 
 
+def _bench_memory(local_rank: int, nv, cards, alloc):
+    """The memory breakdown of one ddp rank of an lm-sized model: 150 parameters, their gradients and AdamW's two
+    moments each on its card, the rank's process and a tenant in NVML's list."""
+    import os
+
+    from job.breakdown import Memory
+    from job.fakes import FakeLayout, FakeProcess
+
+    nv.cards[local_rank].processes = [FakeProcess(os.getpid(), 61 << 30, "python"),
+                                      FakeProcess(2**30 + 2, 20 << 30, "python3")]
+    layout = FakeLayout([f"cuda:{local_rank}"], [{"parameters": [1 << 20] * 150, "gradients": [1 << 20] * 150,
+                                                  "optimizer_state": [1 << 20] * 300}])
+    return Memory(layout, None, rank=local_rank, job_pids=[os.getpid()], nvml=nv, cards=cards, allocator=alloc,
+                  caps={})
+
+
 def _bench_rank(local_rank: int, world: int, n_cards: int, tcfg) -> TrainingTelemetry:
     nv, cards = _bench_cards(n_cards)
     alloc = _fake_allocator({local_rank: (50 << 30, 60 << 30, 55 << 30)})
     tel = TrainingTelemetry(tcfg, run="bench", strategy="ddp", rank=local_rank, local_rank=local_rank,
                             world_size=world, info={"workload": "lm"}, device=_FakeDevice(local_rank),
-                            nvml=nv, allocator=alloc, cards=cards)
+                            nvml=nv, allocator=alloc, cards=cards, memory=_bench_memory(local_rank, nv, cards, alloc))
     tel.start()
     for i in range(100):
         tel.observe_step(0.1 + i * 1e-3, 16, 3.0)
@@ -102,6 +118,12 @@ def bench_scrape(*, cards: int = 8, ranks: int = 8, scrapes: int = 200) -> dict[
         for _ in range(n):
             tel.observe_step(0.1, 16, 3.0)
         observe_us = (time.perf_counter() - t0) / n * 1e6
+        # one memory breakdown of a card (what every scrape and every logged step computes)
+        n = 200
+        t0 = time.perf_counter()
+        for _ in range(n):
+            tel._memory.live()
+        breakdown_us = (time.perf_counter() - t0) / n * 1e6
     finally:
         for p in procs:
             p.stdin.close()
@@ -112,7 +134,7 @@ def bench_scrape(*, cards: int = 8, ranks: int = 8, scrapes: int = 200) -> dict[
         shutil.rmtree(peer_dir, ignore_errors=True)
     return {"cards": cards, "ranks": ranks, "scrapes": scrapes, "series": series, "bytes": len(body),
             "p50_ms": 1e3 * times[len(times) // 2], "p95_ms": 1e3 * times[int(len(times) * 0.95)],
-            "max_ms": 1e3 * times[-1], "observe_step_us": observe_us}
+            "max_ms": 1e3 * times[-1], "observe_step_us": observe_us, "breakdown_us": breakdown_us}
 
 
 def bench_overhead(*, blocks: int = 20, steps: int = 150, scrape_every: float = 0.25) -> dict[str, float]:
@@ -189,10 +211,10 @@ def _bench_main(argv: list[str]) -> int:
     p.add_argument("--scrapes", type=int, default=200)
     a = p.parse_args(argv)
     r = bench_scrape(cards=a.cards, ranks=a.ranks, scrapes=a.scrapes)
-    print("| cards | ranks | scrapes | series | bytes | p50 ms | p95 ms | max ms | observe_step µs |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| cards | ranks | scrapes | series | bytes | p50 ms | p95 ms | max ms | observe_step µs | breakdown µs |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print(f"| {r['cards']} | {r['ranks']} | {r['scrapes']} | {r['series']} | {r['bytes']} | {r['p50_ms']:.1f} "
-          f"| {r['p95_ms']:.1f} | {r['max_ms']:.1f} | {r['observe_step_us']:.2f} |")
+          f"| {r['p95_ms']:.1f} | {r['max_ms']:.1f} | {r['observe_step_us']:.2f} | {r['breakdown_us']:.0f} |")
     if a.bench_overhead:
         o = bench_overhead()
         print()
