@@ -23,9 +23,8 @@ from pathlib import Path
 
 import torch
 
-from job import breakdown, failure, launch, memplan, report, rundir
+from job import breakdown, config, failure, launch, memplan, recompute, report, rundir
 from job import checkpoint as ckpt
-from job import config, recompute
 from job import workload as wl
 from job.config import summary
 from job.data import Data

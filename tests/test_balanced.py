@@ -163,7 +163,7 @@ def test_balanced_trains_on_cpu(tmp_path):
 def test_equivalence_on_two_cards(workload):
     spec, ref, model, x, y = _models(workload)
     ref, model = ref.cuda(0).double(), model.cuda(0).double()
-    x = x.cuda(0).double() if spec.is_image else x.cuda(0)
+    x = x.cuda(0).double() if x.is_floating_point() else x.cuda(0)
     y = y.cuda(0)
     ref_loss = spec.loss(ref(x), y)
     ref_loss.backward()

@@ -17,11 +17,10 @@ import torch
 from omegaconf import OmegaConf
 from test_train import final_model, train
 
-from job import breakdown, devices
+from job import breakdown, config, devices
 from job.breakdown import KINDS, Memory, Process
-from job.config import StrategyCfg, WorkloadCfg
+from job.config import StrategyCfg
 from job.fakes import FakeAllocator, FakeLayout, FakeNvml, FakeProcess, FakeTensor
-from job.models import WORKLOADS
 
 G = 10**9
 ME = os.getpid()
@@ -260,10 +259,19 @@ def test_cpu_rows_say_there_is_no_card():
 
 # -- the strategies say which tensors are which, on each card -------------------------------------------
 
+def _built(*argv: str):
+    """A built-in workload's model and the workload, through the public interface."""
+    cfg = config.load(list(argv))
+    return config.workload_of(cfg).workload.model(config.workload_settings(cfg)), config.workload_of(cfg).workload
+
+
+TINY_LOSS = config.workload_of(config.load(["workload=tiny"])).workload.loss
+
+
 def _tiny():
-    w = OmegaConf.structured(WorkloadCfg(name="tiny", width=8, image_size=16))
     torch.manual_seed(0)
-    return WORKLOADS["tiny"].build(w), torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
+    model, _ = _built("workload=tiny", "workload.width=8", "workload.image_size=16")
+    return model, torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
 
 
 def _bytes(tensors) -> int:
@@ -276,7 +284,7 @@ def test_one_process_strategy_puts_everything_on_its_card():
     model, x, y = _tiny()
     s = DataParallelStrategy(OmegaConf.structured(StrategyCfg(name="dp")), devices=[torch.device("cpu")])
     s.check(micro_batch=8)
-    s.setup(model, WORKLOADS["tiny"].loss)
+    s.setup(model, TINY_LOSS)
     opt = s.build_optimizer(lambda params: torch.optim.AdamW(params, lr=1e-3))
     s.loss(x, y).backward()
     opt.step()
@@ -294,7 +302,7 @@ def test_balanced_names_each_replicas_tensors_on_its_card():
     s = BalancedStrategy(OmegaConf.structured(StrategyCfg(name="balanced", bucket_mb=0.001)),
                          devices=[torch.device("cpu")] * 2)
     s.check(micro_batch=8)
-    s.setup(model, WORKLOADS["tiny"].loss)
+    s.setup(model, TINY_LOSS)
     opt = s.build_optimizer(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9))
     try:
         with s.backward_sync(True):
@@ -393,8 +401,8 @@ def test_fsdp_ranks_each_report_their_shards(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     rows = json.loads((tmp_path / "fsdp" / "summary.json").read_text())["memory_breakdown"]
     assert [r["rank"] for r in rows] == [0, 1]
-    model = WORKLOADS["lm"].build(OmegaConf.structured(WorkloadCfg(name="lm", layers=2, d_model=32, heads=2,
-                                                                   vocab=128, seq_len=16)))
+    model, _ = _built("workload=lm", "workload.layers=2", "workload.d_model=32", "workload.heads=2",
+                      "workload.vocab=128", "workload.seq_len=16")
     weights = _bytes(model.parameters()) + _bytes(model.buffers())  # parameters() gives the tied embedding once
     params = [r["kinds"]["parameters"] for r in rows]
     grads = [r["kinds"]["gradients"] for r in rows]

@@ -22,8 +22,7 @@ import torch
 from conftest import ROOT, job_cmd, requires_gpus
 
 from job.bench.tenant import Tenant
-from job.config import load
-from job.models import WORKLOADS
+from job.config import load, workload_of, workload_settings
 from tests._telemetry_helpers import free_port, samples, stop, wait_for
 
 pytestmark = pytest.mark.gpu
@@ -34,7 +33,8 @@ CAP_GB = 40
 def _exact_bytes() -> tuple[int, int]:
     """(parameters + buffers, parameters) of the lm preset, in bytes: counted on the meta device."""
     with torch.device("meta"):
-        model = WORKLOADS["lm"].build(load(["workload=lm"]).workload)
+        cfg = load(["workload=lm"])
+        model = workload_of(cfg).workload.model(workload_settings(cfg))
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return params + sum(b.numel() * b.element_size() for b in model.buffers()), params
 
@@ -136,7 +136,8 @@ def test_breakdown_costs_under_one_percent_of_the_steps_it_is_taken_for():
     torch.cuda.set_device(device)
     strategy = build("dp", strategy_cfg=cfg.strategy, devices=[device])
     strategy.check(micro_batch=8)
-    strategy.setup(WORKLOADS["lm"].build(cfg.workload).to(device), WORKLOADS["lm"].loss)
+    lm = workload_of(cfg).workload
+    strategy.setup(lm.model(workload_settings(cfg)).to(device), lm.loss)
     opt = strategy.build_optimizer(lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True))
     x = torch.randint(0, cfg.workload.vocab, (8, cfg.workload.seq_len), device=device)
 
