@@ -336,10 +336,12 @@ JOB_EXITS = {
     (("trainer", 137),): "Count",                         # OOM kill / SIGKILL after the grace period
 }
 MULTINODE_EXITS = {
-    (("check-config", 2),): "FailJob",                    # bad input caught before torchrun hides it
-    (("check-config", 0), ("trainer", 1)): "FailJob",     # a rank crashed (torchrun: 1): the whole Job ends
+    (("check-config", 2),): "FailJob",                    # bad input caught before any rank starts
+    (("check-config", 0), ("trainer", 75)): "Ignore",     # the group stopped after a checkpoint: new pods resume
+    (("check-config", 0), ("trainer", 2)): "FailJob",     # bad input found by the ranks (job.torchrun: 2)
+    (("check-config", 0), ("trainer", 1)): "FailJob",     # a rank crashed (job.torchrun: 1): the whole Job ends
     (("check-config", 0), ("trainer", 137)): "FailJob",   # killed (liveness probe, OOM): the whole Job ends
-    (("check-config", 0), ("trainer", 1), "DisruptionTarget"): "Ignore",  # preempted: a new pod, not counted
+    (("check-config", 0), ("trainer", 143), "DisruptionTarget"): "Ignore",  # preempted: a new pod, not counted
     (("check-config", 1),): "Count",                      # the check itself crashed: retried
 }
 
@@ -371,7 +373,7 @@ def test_failure_policy_checks_can_fail():
 
     job = one(load_docs(MULTINODE), "Job")
     job["spec"]["podFailurePolicy"]["rules"][-1]["onExitCodes"]["containerName"] = "trainr"
-    assert pod_failure_policy_problems(job) == ["rule 2: no container trainr"]
+    assert pod_failure_policy_problems(job) == ["rule 3: no container trainr"]
     assert pod_failure_action(job, {"trainer": 1}) == "Count"  # a crash would no longer end the Job
     job = one(load_docs(JOB), "Job")
     job["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] = [0, 2]
@@ -381,8 +383,8 @@ def test_failure_policy_checks_can_fail():
 
 
 def test_pytorchjob_exit_codes_end_the_whole_job():
-    """Kubeflow's ExitCode policy: 1-127 fail the job (torchrun's 1 when a rank crashed; the config
-    check's 2), 128-255 (killed by a signal) restart the pod; cleanPodPolicy Running then deletes the
+    """Kubeflow's ExitCode policy: 1-127 fail the job (1 when a rank crashed; the config check's 2; 75
+    after a checkpoint: re-applied to resume), 128-255 (killed by a signal) restart the pod; cleanPodPolicy Running then deletes the
     pods still running, so one failed node ends them all."""
     ptj = one(load_docs(PYTORCHJOB), "PyTorchJob")
     for rtype, s in ptj["spec"]["pytorchReplicaSpecs"].items():
@@ -541,7 +543,7 @@ def test_pytorchjob_shape():
         # the operator finds the master port by this name
         assert {"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"} in c["ports"]
         assert ptj["spec"]["nprocPerNode"] == c["resources"]["limits"]["nvidia.com/gpu"]
-        assert c["command"] == ["python", "-m", "torch.distributed.run"]
+        assert c["command"] == ["python", "-m", "job.torchrun"]
     assert ptj["spec"]["runPolicy"]["cleanPodPolicy"] in ("All", "Running", "None")
 
 

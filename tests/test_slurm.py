@@ -411,7 +411,7 @@ def test_users_workload_through_make_submit_completes_and_resumes_exactly(cluste
                     "submit.signal_delay_s=30")
     assert r.returncode == 0, r.stdout + r.stderr
     job_id = submitted_id(r.stdout)
-    assert f"balanced/task:workload, 1 node(s) x 1 task(s)" in r.stdout, r.stdout
+    assert "balanced/task:workload, 1 node(s) x 1 task(s)" in r.stdout, r.stdout
     assert f"--chdir={TABULAR}" in (tmp_path / "submitit" / job_id / f"{job_id}_submission.sh").read_text()
     run_dir = tmp_path / "runs" / f"slurm-{job_id}"
     wait_for_steps(cluster, job_id, run_dir, 10)

@@ -9,8 +9,8 @@ import pytest
 import submitit
 from _slurm_helpers import (
     DONE,
-    TINY,
     TABULAR_RUN,
+    TINY,
     make_submit,
     metric_steps,
     start_cluster,
