@@ -632,6 +632,7 @@ def test_users_image_from_ours_trains_under_compose_with_its_data(engine, standi
         code = engine.run("wait", name, timeout=600).stdout.strip()
         out = engine.run("logs", name)
         logs = out.stdout + out.stderr  # the log on stderr, the per-card table on stdout
+        print(f"\n$ make up SERVICES=trainer GPUS=none ... (exit {code})\n{up.stdout[-1500:]}\n{out.stderr[-1500:]}{out.stdout}")
         assert code == "0", logs[-3000:]
         assert "step 30/30" in logs and "validation: loss" in logs, logs[-3000:]
         assert "per-card memory: balanced, task:workload, global batch 64, 30 steps (run user)" in logs, logs[-3000:]

@@ -342,8 +342,10 @@ def test_bad_input_found_in_the_job_is_exit_2_with_its_line(cluster, tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     job_id = job_id_of(r.stdout)
     err = (tmp_path / "submitit" / job_id / f"{job_id}_0_log.err").read_text()
-    # The refusal is one line; the traceback below it is submitit's record of "trainer exited with code 2".
-    assert f"error: checkpoint {tmp_path}/nope.pt does not exist" in err and "UsageError" not in err, err
+    # The refusal is one line, and nothing else: no traceback of submitit's either (the task writes its error
+    # result itself and exits 2, Slurm's ExitCode too).
+    assert f"error: checkpoint {tmp_path}/nope.pt does not exist" in err and "Traceback" not in err, err
+    assert "ExitCode=2:0" in cluster.show(job_id)
     assert r.stderr.splitlines()[:2] == [f"job {job_id} (slurm): FAILED, exit 2",
                                         f"  reason:   error: checkpoint {tmp_path}/nope.pt does not exist; give an "
                                         "existing file or train.resume=auto|never"], r.stderr
