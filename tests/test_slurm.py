@@ -430,7 +430,7 @@ def test_users_workload_through_make_submit_completes_and_resumes_exactly(cluste
     assert got["model"].keys() == want["model"].keys()
     for k in want["model"]:
         assert torch.equal(got["model"][k], want["model"][k]), f"{k} differs from the uninterrupted run"
-    st = subprocess.run(["make", "-s", "status", f"JOB={job_id}",
+    st = subprocess.run(["make", "-s", "-o", ".venv/.stamp-setup", "status", f"JOB={job_id}",
                          f"ARGS=submit.folder={tmp_path}/submitit/%j train.run_dir={tmp_path}/runs"],
                         cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=120)
     assert st.stdout.startswith(f"job {job_id} (slurm): COMPLETED (requeued 1x), exit 0\n"), st.stdout + st.stderr
