@@ -76,4 +76,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if os.environ.get("TRAINJOB_EXIT_DIR"):  # a worker of `python -m job.torchrun`: it reads the code
+        from job.torchrun import record_exit
+
+        record_exit(code)
+    sys.exit(code)

@@ -222,6 +222,15 @@ class SubmitCfg:
     """Follow the job's log and exit with its exit code (0 done, 2 bad input, 75 stopped, 1 failed; job.status)."""
     dry_run: bool = False
     """Print the sbatch script (and Slurm's --test-only verdict when Slurm is here); submit nothing."""
+    workdir: str = ""
+    """The tasks' working directory (sbatch --chdir; empty: where you submit): the first entry of their Python
+    path, so `workload=mymodule:workload` finds mymodule.py there. Must exist; made absolute at submission."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment variables exported in the job script before anything starts, taken literally, e.g.
+    submit.env.PYTHONPATH=/home/me/proj (sbatch already passes on the environment you submit from)."""
+    setup: list[str] = field(default_factory=list)
+    """Shell lines the job script runs before the tasks start, after submit.env, e.g. ["module load cuda/12.4",
+    "source /home/me/venv/bin/activate"] (one line each; the tasks still run the Python you submit with)."""
 
 
 @dataclass

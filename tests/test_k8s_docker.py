@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests._k8s_helpers import ROOT, all_containers, container_env, expand
+from tests._k8s_helpers import ROOT, LocalPod, all_containers, container_env, expand, one, render
 from tests.conftest import IN_CI
-from tests.test_docker import engine, standin  # noqa: F401  (module-scoped fixtures, reused)
+from tests.test_docker import engine, standin, users_project  # noqa: F401  (module-scoped fixtures, reused)
 from tests.test_k8s_contract import CPU_OVERRIDE, job_pod
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
@@ -81,6 +83,8 @@ def docker_run_args(pod, container: dict) -> list[str]:
             size = vol["emptyDir"].get("sizeLimit", "")
             opts = "mode=1777" + (f",size={size[:-1]}" if size.endswith("i") else "")
             args += ["--tmpfs", f"{m['mountPath']}:{opts}"]
+        elif "persistentVolumeClaim" in vol and m.get("readOnly"):  # data: mounted as it is, read-only
+            args += ["-v", f"{local}:{m['mountPath']}:ro"]
         elif "persistentVolumeClaim" in vol:  # the kubelet chowns the volume to fsGroup, setgid
             os.chown(local, 0, fs_group if fs_group is not None else gid)
             local.chmod(0o2775)
@@ -167,3 +171,43 @@ def test_read_only_root_is_really_read_only(docker_image, tmp_path):
     assert lines["/runs/x"] == "ok" and lines["/tmp/x"] == "ok" and lines["/dev/shm/x"] == "ok", probe
     sc = pod.template["spec"]["securityContext"]
     assert lines["uid"] == f"{sc['runAsUser']} gid {sc['runAsGroup']}", probe
+
+
+@pytest.fixture(scope="module")
+def user_image(docker_image, tmp_path_factory):
+    """(engine, tag): examples/tabular's image (its Dockerfile: FROM ours + its code + one extra package)."""
+    eng, base = docker_image
+    proj = users_project(tmp_path_factory.mktemp("user"))
+    tag = "tabular:k8s-ci"
+    eng.run("build", "--build-arg", f"TRAINJOB_IMAGE={base}", "--build-arg", "PIP_NO_INDEX=1", "-t", tag, str(proj),
+            timeout=900)
+    yield eng, tag
+    eng.run("rmi", "-f", tag, check=False)
+
+
+def test_users_job_pod_runs_their_image_on_their_read_only_data(user_image, tmp_path):
+    """examples/tabular/k8s rendered (the user's image, k8s/data, the workload in the ConfigMap), its pod run
+    in the user's image with the pod's restrictions: the ConfigMap's workload trains on the CSV of the
+    read-only data volume, validates, writes its checkpoint to the runs volume as uid 10001 and exits 0."""
+    eng, image = user_image
+    docs = render(ROOT / "examples" / "tabular" / "k8s")
+    job = one(docs, "Job", "trainjob")
+    template, name = job["spec"]["template"], job["metadata"]["name"]
+    meta = {"name": "trainjob-user1", "labels": {**template["metadata"]["labels"], "batch.kubernetes.io/job-name": name},
+            "annotations": dict(template["metadata"].get("annotations", {}))}
+    pod = LocalPod(template, docs, tmp_path, meta["name"], meta)
+    container = next(c for c in all_containers(template) if c["name"] == "trainer")
+    data = pod.volume_dirs["data"]
+    subprocess.run([sys.executable, str(ROOT / "examples" / "tabular" / "make_data.py"),
+                    str(data / "tab.csv"), "600"], check=True, capture_output=True, timeout=60)
+    data.chmod(0o755)
+    (data / "tab.csv").chmod(0o644)
+    run = eng.run("run", "--rm", *docker_run_args(pod, container), image, *pod_command(pod, container),
+                  "train.steps=30", "train.batch_size=64", "train.log_every=10", check=False, timeout=300)
+    text = run.stdout + run.stderr
+    assert run.returncode == 0, text[-3000:]
+    assert "step 30/30" in text and "validation: loss" in text, text[-3000:]
+    assert "per-card memory: ddp, task:workload, global batch 64, 30 steps (run trainjob)" in text, text[-3000:]
+    ckpt = pod.volume_dirs["runs"] / name / "checkpoints" / "step_00000030.pt"
+    assert ckpt.is_file() and ckpt.stat().st_uid == template["spec"]["securityContext"]["runAsUser"]
+    assert sorted(p.name for p in data.iterdir()) == ["tab.csv"], "nothing was written to the data volume"

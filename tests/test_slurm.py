@@ -14,7 +14,21 @@ import time
 
 import pytest
 import submitit
-from _slurm_helpers import DONE, TINY, probe, start_cluster, stop_cluster, time_failure
+from _slurm_helpers import (
+    DONE,
+    TABULAR,
+    TABULAR_RUN,
+    TINY,
+    make_submit,
+    metric_steps,
+    probe,
+    start_cluster,
+    stop_cluster,
+    submitted_id,
+    tabular_csv,
+    time_failure,
+    wait_for_steps,
+)
 from conftest import ROOT, job_cmd
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -328,8 +342,10 @@ def test_bad_input_found_in_the_job_is_exit_2_with_its_line(cluster, tmp_path):
     assert r.returncode == 2, r.stdout + r.stderr
     job_id = job_id_of(r.stdout)
     err = (tmp_path / "submitit" / job_id / f"{job_id}_0_log.err").read_text()
-    # The refusal is one line; the traceback below it is submitit's record of "trainer exited with code 2".
-    assert f"error: checkpoint {tmp_path}/nope.pt does not exist" in err and "UsageError" not in err, err
+    # The refusal is one line, and nothing else: no traceback of submitit's either (the task writes its error
+    # result itself and exits 2, Slurm's ExitCode too).
+    assert f"error: checkpoint {tmp_path}/nope.pt does not exist" in err and "Traceback" not in err, err
+    assert "ExitCode=2:0" in cluster.show(job_id)
     assert r.stderr.splitlines()[:2] == [f"job {job_id} (slurm): FAILED, exit 2",
                                         f"  reason:   error: checkpoint {tmp_path}/nope.pt does not exist; give an "
                                         "existing file or train.resume=auto|never"], r.stderr
@@ -374,3 +390,69 @@ def test_status_of_an_unknown_job_is_one_line_exit_2(cluster, tmp_path):
         assert s.returncode == 2, s.stdout + s.stderr
         assert s.stderr.startswith("error: ") and s.stderr.strip().count("\n") == 0 and not s.stdout, s.stderr
         assert ("no job 999999: " if ident[-1].isdigit() else "`no-such-run` is neither a job id") in s.stderr
+
+
+# -- the user's own workload (examples/tabular, outside job/) -------------------------------------------------
+def test_users_workload_through_make_submit_completes_and_resumes_exactly(cluster, tmp_path):
+    """`make submit STRATEGY=balanced WORKLOAD=task:workload ARGS='submit.workdir=examples/tabular ...'`: the
+    module is found only through submit.workdir (the tasks' working directory; the submission checks it
+    from there too). Interrupted by submitit's preemption path (SIGTERM + SIGUSR2), the job is requeued,
+    resumes, and ends COMPLETED with every step logged once and the weights of an uninterrupted run, bit for
+    bit; the per-card table is in its log (`make status`)."""
+    import torch
+
+    csv = tabular_csv(tmp_path)
+    run = [*TABULAR_RUN, f"data.path={csv}"]
+    # The uninterrupted reference: the same config as one plain process, one thread like the tasks.
+    ref = subprocess.run(job_cmd("train", f"workload={TABULAR}/task.py:workload", "strategy=balanced", *run,
+                                 f"train.run_dir={tmp_path}/ref", "train.run_id=ref", "train.log_every=100"),
+                         capture_output=True, text=True, cwd=tmp_path, env=cluster.env, timeout=300)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+
+    r = make_submit(cluster, tmp_path, *run, "submit.workdir=examples/tabular", "submit.timeout_min=10",
+                    "submit.signal_delay_s=30")
+    assert r.returncode == 0, r.stdout + r.stderr
+    job_id = submitted_id(r.stdout)
+    assert "balanced/task:workload, 1 node(s) x 1 task(s)" in r.stdout, r.stdout
+    assert f"--chdir={TABULAR}" in (tmp_path / "submitit" / job_id / f"{job_id}_submission.sh").read_text()
+    run_dir = tmp_path / "runs" / f"slurm-{job_id}"
+    wait_for_steps(cluster, job_id, run_dir, 10)
+    submitit.SlurmJob(folder=tmp_path / "submitit" / "%j", job_id=job_id)._interrupt()
+    state = cluster.wait(job_id, DONE, timeout=240, what="after the interruption")
+    log = (tmp_path / "submitit" / job_id / f"{job_id}_0_log.err").read_text()
+    assert state == "COMPLETED" and "Restarts=1" in cluster.show(job_id), log[-3000:]
+    resumed = [int(m) for m in re.findall(r"^resumed from \S+ at step (\d+)", log, re.M)]
+    assert len(resumed) == 1 and 10 <= resumed[0] < 400, log[-3000:]
+    assert metric_steps(run_dir) == list(range(1, 401)), "every step exactly once over the two attempts"
+    assert "validation: loss" in log
+    got = torch.load(run_dir / "checkpoints" / "step_00000400.pt", weights_only=False)
+    want = torch.load(tmp_path / "ref" / "ref" / "checkpoints" / "step_00000400.pt", weights_only=False)
+    assert got["model"].keys() == want["model"].keys()
+    for k in want["model"]:
+        assert torch.equal(got["model"][k], want["model"][k]), f"{k} differs from the uninterrupted run"
+    st = subprocess.run(["make", "-s", "-o", ".venv/.stamp-setup", "status", f"JOB={job_id}",
+                         f"ARGS=submit.folder={tmp_path}/submitit/%j train.run_dir={tmp_path}/runs"],
+                        cwd=ROOT, env=cluster.env, capture_output=True, text=True, timeout=120)
+    assert st.stdout.startswith(f"job {job_id} (slurm): COMPLETED (requeued 1x), exit 0\n"), st.stdout + st.stderr
+    assert "    per-card memory: balanced, task:workload, global batch 256, 400 steps" in st.stdout, st.stdout
+    assert "    throughput: " in st.stdout and " row/s" in st.stdout, st.stdout
+
+
+def test_users_workload_missing_in_the_job_is_exit_2_in_one_line(cluster, tmp_path):
+    """The submission finds the workload (PYTHONPATH here) but the job's environment does not
+    (submit.env.PYTHONPATH replaces it): the task refuses in one line, no traceback, and the job's own exit
+    code is the contract's 2 (Slurm's ExitCode=2:0, `submit.wait` exits 2)."""
+    csv = tabular_csv(tmp_path, rows=200)
+    env = {**cluster.env, "PYTHONPATH": f"{TABULAR}:{cluster.env['PYTHONPATH']}"}
+    r = subprocess.run(job_cmd("submit", "strategy=balanced", "workload=task:workload", *TABULAR_RUN,
+                               f"data.path={csv}", "submit.env.PYTHONPATH=/nonexistent", "submit.gpus_per_node=1",
+                               "submit.cpus_per_task=1", f"submit.folder={tmp_path}/submitit/%j",
+                               f"train.run_dir={tmp_path}/runs", "submit.wait=true"),
+                       capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300)
+    assert r.returncode == 2, r.stdout + r.stderr
+    job_id = submitted_id(r.stdout)
+    err = (tmp_path / "submitit" / job_id / f"{job_id}_0_log.err").read_text()
+    line = "error: workload `task:workload`: no module `task` on the Python path"
+    assert err.count(line) == 1 and "Traceback" not in err, err
+    assert "ExitCode=2:0" in cluster.show(job_id), cluster.show(job_id)
+    assert r.stderr.startswith(f"job {job_id} (slurm): FAILED, exit 2\n  reason:   {line}"), r.stderr

@@ -28,6 +28,10 @@ CASES = {
     "sbatch_ddp_2x4": ["strategy=ddp", "submit.nodes=2", "submit.gpus_per_node=4", "submit.timeout_min=240",
                        "submit.partition=gpu", "submit.account=proj1", "submit.qos=high", "submit.mem_gb=64"],
     "sbatch_ddp_cpu": ["strategy=ddp", "submit.gpus_per_node=0", "submit.tasks_per_node=3"],
+    # What the job needs on the nodes: working directory (--chdir), literal env, the user's shell lines.
+    "sbatch_user_code": ["strategy=balanced", "submit.workdir=/tmp", "submit.env.PYTHONPATH=/home/me/proj:$HOME",
+                         "submit.env.HF_HOME=/scratch/hf cache",
+                         'submit.setup=["module load cuda/12.4", "source /home/me/venv/bin/activate"]'],
 }
 
 
@@ -85,6 +89,9 @@ BAD = [
     (["strategy=ddp", "submit.gpus_per_node=4", "submit.tasks_per_node=2"],
      "one process per GPU: submit.tasks_per_node=2 but submit.gpus_per_node=4"),
     (["submit.executor=local", "submit.nodes=2"], "the local executor runs on this machine only"),
+    (["submit.workdir=/nonexistent/proj"], "submit.workdir /nonexistent/proj is not a directory here"),
+    (["submit.env.1X=a"], "submit.env.1X is not an environment variable name"),
+    (['submit.setup=["module load x", "  "]'], "submit.setup[1] is empty or holds a control character"),
 ]
 
 
@@ -93,6 +100,18 @@ def test_bad_parameters_are_one_line_errors(overrides, message):
     with pytest.raises(UsageError) as e:
         submit.plan(load(overrides))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_line_breaks_cannot_reach_the_job_script(tmp_path):
+    """A line break in submit.env or submit.setup (from a --config file, where YAML keeps it) would start a
+    new shell line in the sbatch script: refused."""
+    for text, message in (('submit:\n  env:\n    X: "a\\nrm -rf /"\n', "submit.env.X holds a control character"),
+                          ('submit:\n  setup: ["module load x\\nrm -rf /"]\n', "submit.setup[0] is empty or holds")):
+        (tmp_path / "c.yaml").write_text(text)
+        cfg = load(["--config", str(tmp_path / "c.yaml")])
+        assert "\n" in (cfg.submit.env.get("X") or cfg.submit.setup[0])
+        with pytest.raises(UsageError, match=re.escape(message)):
+            submit.sbatch_text(cfg)
 
 
 def test_bad_parameter_from_the_cli_exits_2_before_submitting(tmp_path):
@@ -138,6 +157,24 @@ def test_job_argv_is_absolute_and_drops_submit_keys(tmp_path, monkeypatch):
     assert out[:2] == ["--config", str(tmp_path / "my.yaml")]
     assert "submit.nodes=1" not in out and f"train.run_dir={tmp_path / 'out'}" in out
     assert load(out).train.steps == 9
+
+
+def test_job_argv_makes_the_checked_paths_absolute(tmp_path, monkeypatch):
+    """What the submission checked (data files, a workload file) is what the tasks read, from any working
+    directory (submit.workdir): relative paths become absolute."""
+    code = tmp_path / "proj"
+    code.mkdir()
+    (code / "task.py").write_text((ROOT / "examples" / "tabular" / "task.py").read_text())
+    (tmp_path / "rows.csv").write_text("f0,f1,f2,f3,f4,f5,f6,f7,label\n" + "0,0,0,0,0,0,0,0,1\n" * 8)
+    monkeypatch.chdir(tmp_path)
+    argv = ["workload=proj/task.py:workload", "data.kind=csv", "data.path=rows.csv", "data.val_path=rows.csv",
+            "strategy=balanced", "submit.workdir=proj"]
+    out = submit.job_argv(argv, load(argv))
+    assert f"data.path={tmp_path / 'rows.csv'}" in out and f"data.val_path={tmp_path / 'rows.csv'}" in out
+    assert f"workload.name={code / 'task.py'}:workload" in out and not any(a.startswith("submit.") for a in out)
+    monkeypatch.chdir(code)  # the task's working directory
+    cfg = load(out)
+    assert (cfg.workload.name, cfg.data.path) == (f"{code / 'task.py'}:workload", str(tmp_path / "rows.csv"))
 
 
 def test_dry_run_prints_the_script_without_slurm(tmp_path):

@@ -64,3 +64,26 @@ def test_make_status_needs_a_job_or_run():
                        text=True, timeout=60)
     # One line of ours (make adds its own `make: *** ... Error 2`).
     assert r.returncode == 2 and r.stderr.startswith("error: give JOB=<job id> or RUN=<run id>"), r.stderr
+
+
+@pytest.mark.slow
+def test_make_submit_local_runs_the_users_workload_from_its_workdir(tmp_path):
+    """`make submit EXECUTOR=local WORKLOAD=task:workload ARGS='submit.workdir=examples/tabular ...'`: the local
+    executor's task runs in the workdir (a `cd` in its setup), where examples/tabular's module is found."""
+    make = shutil.which("make")
+    if make is None:
+        pytest.skip("make not installed")
+    env = {**os.environ, "PATH": path_without_slurm(tmp_path / "bin"), "OMP_NUM_THREADS": "1"}
+    env.pop("SLURM_CONF", None)
+    env.pop("PYTHONPATH", None)
+    csv = tmp_path / "tab.csv"
+    subprocess.run([str(ROOT / ".venv" / "bin" / "python"), str(ROOT / "examples" / "tabular" / "make_data.py"),
+                    str(csv), "200"], check=True, capture_output=True, timeout=60)
+    args = (f"submit.workdir=examples/tabular data.kind=csv data.path={csv} train.steps=10 train.log_every=5 "
+            f"train.run_dir={tmp_path}/runs submit.folder={tmp_path}/submitit/%j submit.wait=true")
+    r = subprocess.run([make, "-s", "-o", ".venv/.stamp-setup", "submit", "STRATEGY=balanced", "EXECUTOR=local",
+                        "WORKLOAD=task:workload", f"ARGS={args}"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "balanced/task:workload" in r.stdout and "step 10/10" in r.stdout, r.stdout
+    assert "per-card memory: balanced, task:workload" in r.stdout, r.stdout
