@@ -157,7 +157,7 @@ class BalancedStrategy(Strategy):
     def load_optimizer_state_dict(self, opt, sd: dict) -> None:
         if len(sd["param_groups"]) != 1:
             raise UsageError("balanced: the checkpoint's optimizer has several param groups; "
-                             "resume it with the strategy that wrote it, or train.resume=never")
+                             "resume it with the strategy that wrote it, or start over with train.resume=overwrite")
         n, groups, state = self._n_params, [], {}
         for k in range(len(self.replicas)):
             g = dict(sd["param_groups"][0])
