@@ -158,7 +158,9 @@ def test_prometheus_scrapes_training_run_and_exporter(tmp_path, prometheus):
         # the CPU run's memory by kind: its tensors only, as uuid="cpu" (no card, so no ratio of a card); the
         # gradients are 0 when a scrape falls between zero_grad(set_to_none=True) and the backward; SGD keeps one
         # momentum buffer per weight (tiny has no buffers)
-        kinds = _poll(api, 'trainjob_memory_breakdown_bytes{run="e2e"}', lambda r: len(r) == 3)
+        # (polled until the first optimizer step has made the momentum buffers: a scrape may come before it)
+        kinds = _poll(api, 'trainjob_memory_breakdown_bytes{run="e2e"}', lambda r: len(r) == 3 and any(
+            x["metric"]["kind"] == "optimizer_state" and float(x["value"][1]) > 0 for x in r))
         assert {r["metric"]["kind"] for r in kinds} == {"parameters", "gradients", "optimizer_state"}
         value = {r["metric"]["kind"]: float(r["value"][1]) for r in kinds}
         assert {r["metric"]["uuid"] for r in kinds} == {"cpu"} and value["parameters"] == value["optimizer_state"] > 0
