@@ -514,6 +514,10 @@ def workload_section(name: str):
 
     from job import workload as wl
 
+    if m := _CONTROL.search(name):  # before it is imported or named in a message of its own
+        shown = name if len(name) <= 60 else name[:57] + "..."
+        raise UsageError(f"`workload.name` holds a control character ({m.group()!r} in {shown!r}); it would reach "
+                         "a script, a file name or a label: remove it")
     resolved = wl.resolve(name)
     cls = WorkloadCfg
     if resolved.workload.settings is not None:

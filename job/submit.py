@@ -492,9 +492,9 @@ def _workdir_first_on_path(argv: list[str]) -> None:
             value = OmegaConf.select(OmegaConf.load(config_file), "submit.workdir", default=None)
         except Exception:  # not readable or not YAML: load() says so in one line
             value = None
-    if value:
+    if value and not any(ord(c) < 32 or ord(c) == 127 for c in str(value)):  # load() refuses such a value
         path = str(Path(str(value)).expanduser().absolute())
-        if path not in sys.path:
+        if path not in sys.path and Path(path).is_dir():  # load() refuses one that is not a folder
             sys.path.insert(0, path)
 
 
