@@ -12,8 +12,9 @@ This module runs torchrun's own `main` with the same arguments and changes two t
 - each worker started as `python -m job ...` writes the code it exits with to a private temporary folder
   (`TRAINJOB_EXIT_DIR`, made here, removed at the end), and this process exits with the workers' code when
   they agree: **75** when every local worker reported and all exited 75 or 0 (at least one 75), **2** when
-  the codes known are 2, 75 or 0 (at least one 2; a worker that torchrun stopped after another failed need
-  not report); otherwise torchrun's own outcome: 0, 1 for a failed worker, 128 + N after signal N;
+  the codes known are 2, 75 or 0 (at least one 2; a worker that torchrun stopped after another failed, by
+  SIGTERM or SIGKILL, says nothing); otherwise torchrun's own outcome: 0, 1 for a failed worker, 128 + N after
+  signal N;
 - unless `--signals-to-handle` (or `PET_SIGNALS_TO_HANDLE`) is given, torchrun also handles SIGUSR1 and
   SIGUSR2 as it handles SIGTERM (forwarded to the workers, which stop after a checkpoint).
 
@@ -83,6 +84,13 @@ def outcome(codes: dict[int, int], world: int | None, *, fallback: int, all_need
     return fallback
 
 
+def consequences_dropped(failures: dict[int, int]) -> dict[int, int]:
+    """torchrun's failures without the workers it ended itself after another one exited (SIGTERM, then SIGKILL:
+    exit codes -15 and -9): those said nothing of their own. Kept when no worker exited by itself."""
+    own = {r: c for r, c in failures.items() if c not in (-signal.SIGTERM, -signal.SIGKILL)}
+    return own if own else failures
+
+
 def _with_signals(argv: list[str]) -> list[str]:
     """argv with --signals-to-handle added before the entry point, unless the caller chose the signals."""
     head = []
@@ -112,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             name = signal.Signals(e.sigval).name
             fallback, all_needed, what = 128 + int(e.sigval), True, f"torchrun stopped by {name}"
         except ChildFailedError as e:
-            failures = {f.local_rank: f.exitcode for f in e.failures.values()}
+            failures = consequences_dropped({f.local_rank: f.exitcode for f in e.failures.values()})
             fallback, all_needed, what = 1, False, "a worker ended"
         codes, world = reported(Path(folder))
         codes = {**failures, **codes}

@@ -53,6 +53,15 @@ def test_outcome(codes, world, all_needed, want):
     assert torchrun.outcome(codes, world, fallback=fallback, all_needed=all_needed) == want
 
 
+def test_workers_torchrun_ended_itself_say_nothing():
+    """Rank 0 refused (exit 2) while rank 1 was still loading its config: torchrun's SIGTERM killed rank 1
+    (-15, its handlers not installed yet). The launcher's 2 comes from rank 0 alone."""
+    assert torchrun.consequences_dropped({0: 2, 1: -15}) == {0: 2}
+    assert torchrun.consequences_dropped({0: 1, 1: -9}) == {0: 1}
+    assert torchrun.consequences_dropped({0: -9, 1: -15}) == {0: -9, 1: -15}  # nobody exited by itself
+    assert torchrun.outcome(torchrun.consequences_dropped({0: 2, 1: -15}), None, fallback=1, all_needed=False) == 2
+
+
 def test_signals_are_added_before_the_entry_point_only():
     assert torchrun._with_signals(["--nproc-per-node=2", "-m", "job", "train"])[0] == \
         f"--signals-to-handle={torchrun.SIGNALS}"
