@@ -104,14 +104,20 @@ def test_bad_parameters_are_one_line_errors(overrides, message):
 
 def test_line_breaks_cannot_reach_the_job_script(tmp_path):
     """A line break in submit.env or submit.setup (from a --config file, where YAML keeps it) would start a
-    new shell line in the sbatch script: refused."""
-    for text, message in (('submit:\n  env:\n    X: "a\\nrm -rf /"\n', "submit.env.X holds a control character"),
-                          ('submit:\n  setup: ["module load x\\nrm -rf /"]\n', "submit.setup[0] is empty or holds")):
+    new shell line in the sbatch script: refused when the config is loaded, and by the script's writer too."""
+    for text, key in (('submit:\n  env:\n    X: "a\\nrm -rf /"\n', "submit.env.X"),
+                      ('submit:\n  setup: ["module load x\\nrm -rf /"]\n', "submit.setup")):
         (tmp_path / "c.yaml").write_text(text)
-        cfg = load(["--config", str(tmp_path / "c.yaml")])
-        assert "\n" in (cfg.submit.env.get("X") or cfg.submit.setup[0])
-        with pytest.raises(UsageError, match=re.escape(message)):
-            submit.sbatch_text(cfg)
+        with pytest.raises(UsageError, match=re.escape(f"`{key}` holds a control character")):
+            load(["--config", str(tmp_path / "c.yaml")])
+    cfg = load([])
+    cfg.submit.env = {"X": "a\nrm -rf /"}
+    with pytest.raises(UsageError, match=re.escape("submit.env.X holds a control character")):
+        submit.sbatch_text(cfg)
+    cfg = load([])
+    cfg.submit.setup = ["module load x\nrm -rf /"]
+    with pytest.raises(UsageError, match=re.escape("submit.setup[0] is empty or holds")):
+        submit.sbatch_text(cfg)
 
 
 def test_bad_parameter_from_the_cli_exits_2_before_submitting(tmp_path):
