@@ -514,10 +514,7 @@ def workload_section(name: str):
 
     from job import workload as wl
 
-    if m := _CONTROL.search(name):  # before it is imported or named in a message of its own
-        shown = name if len(name) <= 60 else name[:57] + "..."
-        raise UsageError(f"`workload.name` holds a control character ({m.group()!r} in {shown!r}); it would reach "
-                         "a script, a file name or a label: remove it")
+    _refuse_control("workload.name", name)  # before it is imported or named in a message of its own
     resolved = wl.resolve(name)
     cls = WorkloadCfg
     if resolved.workload.settings is not None:
@@ -725,21 +722,12 @@ def _check_data(cfg, resolved) -> None:
 def help_text(argv: list[str] | None = None) -> str:
     """`python -m job train [workload=NAME] --help`: every key, its default and its doc line (the workload's
     own keys for the workload that argv picks)."""
-    import ast
-    import inspect
 
     from job import workload as wl
 
     docs: dict[str, str] = {}
-    tree = ast.parse(inspect.getsource(__import__(__name__, fromlist=["x"])))
-    for node in tree.body:
-        if isinstance(node, ast.ClassDef) and node.name.endswith("Cfg"):
-            body = node.body
-            for i, stmt in enumerate(body):
-                if isinstance(stmt, ast.AnnAssign) and i + 1 < len(body):
-                    nxt = body[i + 1]
-                    if isinstance(nxt, ast.Expr) and isinstance(getattr(nxt, "value", None), ast.Constant):
-                        docs[f"{node.name}.{stmt.target.id}"] = " ".join(str(nxt.value.value).split())
+    for cls in (StrategyCfg, WorkloadCfg, TrainCfg, DataCfg, EvalCfg, MemoryCfg, TelemetryCfg, SubmitCfg, BenchCfg):
+        docs.update({f"{cls.__name__}.{k}": v for k, v in wl.settings_docs(cls).items()})
     from omegaconf import OmegaConf
 
     base = OmegaConf.structured(Config)
@@ -793,6 +781,13 @@ def summary(cfg) -> dict[str, str]:
 # C0 controls, DEL, and what Python's splitlines and YAML also take for a line break: a newline in
 # submit.folder wrote lines of its own into the sbatch script; in a run id, a directory named with a newline.
 _CONTROL = __import__("re").compile("[\x00-\x1f\x7f\x85\u2028\u2029]")
+
+
+def _refuse_control(key: str, value: str) -> None:
+    if m := _CONTROL.search(value):
+        shown = value if len(value) <= 60 else value[:57] + "..."
+        raise UsageError(f"`{key}` holds a control character ({m.group()!r} in {shown!r}); it would reach "
+                         "a script, a file name or a label: remove it")
 NAME_MAX = 255  # bytes in one file name (ext4, xfs, btrfs, NFS)
 PATH_MAX = 4096  # bytes in a path (Linux)
 # The longest name the trainer makes in a run directory: checkpoints/.step_XXXXXXXX.pt.tmp.<pid>.
@@ -818,10 +813,8 @@ def _check_strings(cfg) -> None:
             raise UsageError(f"`{key}={written}` cannot be resolved ({_first_line(e)}); write the value itself, or "
                              "interpolate a key that exists, e.g. ${train.run_dir}") from None
         for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, str) and (m := _CONTROL.search(item)):
-                shown = item if len(item) <= 60 else item[:57] + "..."
-                raise UsageError(f"`{key}` holds a control character ({m.group()!r} in {shown!r}); it would reach "
-                                 "a script, a file name or a label: remove it")
+            if isinstance(item, str):
+                _refuse_control(key, item)
     _check_run_path(cfg.train.run_dir, cfg.train.run_id)
 
 
