@@ -35,7 +35,7 @@ run: setup ## Train a short local run on the embedded default and print the per-
 	$(PY) -m job train $(if $(STRATEGY),strategy=$(STRATEGY)) $(if $(WORKLOAD),workload=$(WORKLOAD)) $(ARGS)
 
 test: setup ## Run the whole test suite (what CI runs); fails if no test ran
-	$(PY) -m pytest $(ARGS); rc=$$?; \
+	$(PY) -m pytest -n 2 --dist loadgroup $(ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing on purpose"; exit 1; fi; exit $$rc
 
 lint: setup ## ruff check

@@ -149,6 +149,10 @@ class DataCfg:
     """DataLoader worker processes for data read from files (0: read in the training process)."""
     prefetch: bool = False
     """Copy the next batch to the GPU on a side CUDA stream while the current one computes."""
+    decode: str = "auto"
+    """imagefolder: where JPEG files are decoded: cpu (the DataLoader workers, libjpeg-turbo), gpu (the
+    training GPU, batched nvJPEG; the workers only read the files) or auto (gpu when training on a CUDA
+    device, else cpu). Either way a sample id gets the same crop; pixels differ by the decoders' rounding."""
     synthetic_pool: int = 64
     """synthetic: distinct samples generated once and cycled."""
 
@@ -269,10 +273,16 @@ class BenchCfg:
     imagefolder: bool = False
     """compare: also run each strategy on JPEG files generated on disk (data.kind=imagefolder, DataLoader
     workers, pinned memory, data.prefetch), next to the synthetic rows; needs an image workload."""
-    imagefolder_images: int = 3000
-    """imagefolder: JPEG files to generate (about 400-500 px a side, 10 classes)."""
+    imagefolder_images: int = 5000
+    """imagefolder: JPEG files to generate (ImageNet-like: 500 x 333-375 px, about 115 kB, 10 classes)."""
     imagefolder_dir: str = ""
     """imagefolder: where the files are generated and reused (empty: <train.run_dir>/bench-images)."""
+    tokens: bool = False
+    """compare: also run each strategy on a token file generated on disk (data.kind=tokens, memory-mapped,
+    <train.run_dir>/bench-tokens), next to the synthetic rows; needs a token workload (lm)."""
+    reference: bool = False
+    """compare: also time a hand-written PyTorch loop of the same model, optimizer, precision, compile
+    setting and batch on one card (row `loop`, job/bench/reference.py), the yardstick of one-card rows."""
     maxbatch_key: str = "train.batch_size"
     """maxbatch: what is searched: train.batch_size (the largest global batch) or workload.layers (the
     deepest lm that trains at the configured width and batch: the largest model)."""
@@ -338,6 +348,7 @@ CHOICES = {
     "train.amp": ("off", "bf16", "fp16"),
     "train.device": ("auto", "cuda", "cpu"),
     "data.token_dtype": ("uint16", "uint32"),
+    "data.decode": ("auto", "cpu", "gpu"),
     "strategy.backend": ("auto", "nccl", "gloo"),
     "submit.executor": ("auto", "slurm", "local"),
     "bench.mode": ("compare", "maxbatch", "profile"),

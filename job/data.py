@@ -22,6 +22,7 @@ read, before the run writes anything; a file that fails later stops the run with
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -30,6 +31,7 @@ from job import workload as wl
 from job.datasets import BadImage, SampleIndex  # noqa: F401  (BadImage: the data layer's one-line error)
 from job.errors import UsageError
 
+log = logging.getLogger("job")
 SPLIT_SEED = 2_147_483_647  # the held-out choice of data.val_fraction: fixed, so train.seed does not move it
 SYNTHETIC_VAL = 256  # held-out synthetic samples when eval.samples is 0
 
@@ -45,10 +47,22 @@ class Data:
     """One run's data: the workload, its settings and the data section, and what each part of the job asks
     for (probe batches, the training stream, the held-out batches)."""
 
-    def __init__(self, resolved: wl.Resolved, settings, dcfg, *, seed: int):
+    def __init__(self, resolved: wl.Resolved, settings, dcfg, *, seed: int, device: torch.device | None = None):
         self.resolved, self.settings, self.cfg, self.seed = resolved, settings, dcfg, seed
         self.workload = resolved.workload
+        self.device = device  # the training device: where data.decode=auto decodes images
         self._train: tuple | None = None
+
+    @property
+    def decode(self) -> str:
+        """data.decode resolved: "gpu" or "cpu"."""
+        cuda = self.device is not None and self.device.type == "cuda"
+        if self.cfg.decode == "gpu" and not cuda:
+            raise UsageError("data.decode=gpu decodes images on the training GPU, and this run trains on the CPU; "
+                             "use data.decode=auto or data.decode=cpu")
+        if self.cfg.decode == "auto":
+            return "gpu" if cuda else "cpu"
+        return self.cfg.decode
 
     @property
     def synthetic(self) -> bool:
@@ -56,7 +70,7 @@ class Data:
 
     def _dataset(self, path: str, split: str):
         request = wl.DataRequest(kind=self.cfg.kind, path=path, split=split, seed=self.seed,
-                                 token_dtype=self.cfg.token_dtype)
+                                 token_dtype=self.cfg.token_dtype, decode=self.decode)
         ds = wl.call(f"workload `{self.resolved.name}`: dataset(kind={self.cfg.kind}, split={split})",
                      self.workload.dataset, self.settings, request)
         if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
@@ -66,6 +80,9 @@ class Data:
         if n == 0:
             raise UsageError(f"workload `{self.resolved.name}`: the {split} dataset at {path} holds no samples; "
                              "point data.path at data")
+        decoded = getattr(ds, "decode", None)
+        log.info("data: %s %s: %s samples%s", self.cfg.kind, path, f"{n:,}",
+                 f", decoded on the {decoded} (data.decode={self.cfg.decode})" if isinstance(decoded, str) else "")
         return ds
 
     def train_set(self) -> tuple:
@@ -106,12 +123,11 @@ class Data:
                 f"workload `{self.resolved.name}`: example_batch", self.workload.example_batch, self.settings, n, gen), n)
             return _format(x.to(device), channels_last), y.to(device)
         ds, indices = self.train_set()
-        from torch.utils.data import default_collate
-
         items = [wl.call(f"workload `{self.resolved.name}`: dataset[{indices[i % len(indices)]}]", ds.__getitem__,
                          SampleIndex(indices[i % len(indices)], i, self.seed)) for i in range(n)]
-        x, y = _check_pair(self.resolved.name, "dataset items", default_collate(items), n)
-        return _format(x.to(device), channels_last), y.to(device)
+        collate, move = _hooks(self.resolved.name, ds, device, channels_last)
+        x, y = _check_pair(self.resolved.name, "dataset items", move(collate(items)), n)
+        return x, y
 
     # -- the training stream ------------------------------------------------------------------------
     def batches(self, *, micro_batch: int, start: int, offset: int, count: int, device: torch.device,
@@ -255,6 +271,26 @@ class _BatchSampler:
             g += 1
 
 
+def _hooks(name: str, ds, device: torch.device, channels_last: bool):
+    """(collate, move) for batches of `ds`: the dataset's own `collate` and `to_device` (job.workload) where it
+    has them, else torch's default_collate and a plain copy; `move` also applies train.channels_last."""
+    from torch.utils.data import default_collate
+
+    collate = getattr(ds, "collate", None) or default_collate
+    to_device = getattr(ds, "to_device", None)
+
+    def move(batch):
+        if to_device is not None:
+            batch = wl.call(f"workload `{name}`: dataset.to_device", to_device, batch, device)
+            x, y = _check_pair(name, "dataset.to_device", batch, _rows(batch))
+        else:
+            x, y = batch
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        return _format(x, channels_last), y
+
+    return collate, move
+
+
 def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device, channels_last: bool, prefetch: bool,
             persistent: bool):
     from torch.utils.data import DataLoader
@@ -263,21 +299,27 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
         # Many tensors returned by workers exhaust file descriptors under the default strategy (seen on
         # a GPU host as "Bad file descriptor").
         torch.multiprocessing.set_sharing_strategy("file_system")
+    collate, move = _hooks(name, ds, device, channels_last)
     loader = DataLoader(ds, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
-                        persistent_workers=persistent and workers > 0)
+                        collate_fn=collate, persistent_workers=persistent and workers > 0)
     it = iter(loader)
     try:
         first = next(it)
     except StopIteration:
         return iter(())
-    n = len(first[0]) if isinstance(first, (tuple, list)) and first and torch.is_tensor(first[0]) else 0
-    _check_pair(name, "dataset items", first, n)
     # The first batch now, so a file that does not decode is refused before the run writes anything.
-    it = itertools.chain([first], it)
+    if getattr(ds, "to_device", None) is None:  # else the dataset's to_device makes the tensors
+        _check_pair(name, "dataset items", first, _rows(first))
+    first = move(first)
+    _check_pair(name, "dataset items", first, _rows(first))
     if prefetch and device.type == "cuda":
-        return CudaPrefetcher(it, device, channels_last)
-    return ((_format(x.to(device, non_blocking=True), channels_last), y.to(device, non_blocking=True))
-            for x, y in it)
+        return itertools.chain([first], CudaPrefetcher(it, device, move))
+    return itertools.chain([first], (move(b) for b in it))
+
+
+def _rows(batch) -> int:
+    """Samples in a collated (x, y) batch (0 when it is not one: _check_pair then says what it is)."""
+    return len(batch[0]) if isinstance(batch, (tuple, list)) and batch and torch.is_tensor(batch[0]) else 0
 
 
 def _format(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
@@ -285,27 +327,27 @@ def _format(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
 
 
 class CudaPrefetcher:
-    """Copies batch n+1 to the GPU on a side stream while batch n computes.
+    """Moves batch n+1 to the GPU (`move`: the copy, and the dataset's to_device work such as decoding) on a
+    side stream while batch n computes.
 
-    The consumer's stream waits on the copy's event before use, and `record_stream` tells the caching
+    The consumer's stream waits on the move's event before use, and `record_stream` tells the caching
     allocator the tensors are used on the compute stream, so their memory is not reused too early.
     """
 
-    def __init__(self, it, device: torch.device, channels_last: bool):
-        self.it, self.device, self.channels_last = it, device, channels_last
+    def __init__(self, it, device: torch.device, move):
+        self.it, self.device, self.move = it, device, move
         self.stream = torch.cuda.Stream(device=device)
         self.next = None
         self._preload()
 
     def _preload(self):
         try:
-            x, y = next(self.it)
+            batch = next(self.it)
         except StopIteration:
             self.next = None
             return
         with torch.cuda.stream(self.stream):
-            x = _format(x.to(self.device, non_blocking=True), self.channels_last)
-            y = y.to(self.device, non_blocking=True)
+            x, y = self.move(batch)
             event = torch.cuda.Event()
             event.record(self.stream)
         self.next = (x, y, event)

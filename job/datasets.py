@@ -104,6 +104,8 @@ def _max_token(tokens, chunk: int = 1 << 26) -> int:
 
 # -- image folders ----------------------------------------------------------------------------------
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+DECODERS = ("cpu", "gpu")
+JPEG_MAGIC = b"\xff\xd8\xff"
 
 
 class BadImage(UsageError):
@@ -121,19 +123,56 @@ class BadImage(UsageError):
         super().__init__(text)
 
 
+def _bad(path: str, e: BaseException | str) -> BadImage:
+    reason = e if isinstance(e, str) else (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return BadImage(f"cannot read image {path} ({reason}); fix or remove the file")
+
+
 def load_image(path: str):
-    """torchvision's default loader, with a decode failure turned into one line naming the file."""
+    """A PIL image in RGB (torchvision's default loader), with a decode failure turned into one line naming the
+    file. ImageFolder reads JPEG, PNG, GIF and WebP with torchvision.io; PIL reads the other formats."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with open(path, "rb") as f:
             return Image.open(f).convert("RGB")
     except UnidentifiedImageError:
-        reason = "not an image format PIL knows, or a damaged header"
-        raise BadImage(f"cannot read image {path} ({reason}); fix or remove the file") from None
+        raise _bad(path, "not an image format PIL knows, or a damaged header") from None
     except Exception as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise BadImage(f"cannot read image {path} ({reason}); fix or remove the file") from None
+        raise _bad(path, e) from None
+
+
+def decode_pixels(data, path: str):
+    """The file's bytes (a uint8 tensor) -> a 3 x H x W uint8 RGB tensor, decoded on the CPU: torchvision.io
+    (libjpeg-turbo, libpng...) where it reads the format, PIL otherwise; one line naming the file if neither can."""
+    import torch
+    from torchvision.io import ImageReadMode, decode_image
+
+    try:
+        return decode_image(data, mode=ImageReadMode.RGB)
+    except RuntimeError as e:
+        if bytes(data[:3].tolist()) == JPEG_MAGIC:  # a JPEG torchvision cannot decode is a damaged JPEG
+            raise _bad(path, e) from None
+    import numpy as np
+
+    image = load_image(path)  # BMP, TIFF, PPM...: PIL
+    return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
+
+
+def image_size_of(data: bytes, path: str) -> tuple[int, int]:
+    """(height, width) from the file's header, without decoding it."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            w, h = im.size
+    except UnidentifiedImageError:
+        raise _bad(path, "not an image format PIL knows, or a damaged header") from None
+    except Exception as e:
+        raise _bad(path, e) from None
+    return h, w
 
 
 def check_imagefolder(path: str, *, num_classes: int) -> None:
@@ -170,43 +209,149 @@ def _has_image(folder: Path, extensions: tuple[str, ...]) -> bool:
 
 
 class ImageFolder:
-    """torchvision's ImageFolder (one sub-folder per class), decoded to `image_size` x `image_size` and
-    normalised with ImageNet's statistics.
+    """torchvision's ImageFolder layout (one sub-folder per class), decoded to `image_size` x `image_size`
+    and normalised with ImageNet's statistics on the training device.
 
-    augment=False (evaluation, and training without augmentation): resize the short side, centre crop.
-    augment=True: RandomResizedCrop(scale 0.08-1) and a horizontal flip, drawn from the sample's own seed
-    (`sample_seed`), so the same sample id gets the same crop in every run, split and worker."""
+    augment=False (evaluation, and training without augmentation): the centred square of the short side,
+    resized. augment=True: RandomResizedCrop(scale 0.08-1, ratio 3/4-4/3) and a horizontal flip, drawn from
+    the sample's own seed (`sample_seed`), so the same sample id gets the same crop in every run, split,
+    worker and decoder.
 
-    def __init__(self, path: str | os.PathLike, *, image_size: int, num_classes: int, augment: bool = False):
-        from torchvision import datasets, transforms
+    decode="cpu": DataLoader workers decode (torchvision.io: libjpeg-turbo), crop and resize; a batch
+    crosses to the device as uint8 (a quarter of float32's bytes) and is normalised there (`to_device`).
+    decode="gpu": workers read the files' bytes and draw the crops; `to_device` decodes a batch's JPEGs on
+    the GPU in one batched nvJPEG call and crops and resizes there. Files that are not JPEG are decoded by
+    the workers either way. Both decoders give the same crop of the same image: the pixels differ only by
+    the decoders' rounding (nvJPEG against libjpeg-turbo, a few levels of 255)."""
 
+    def __init__(self, path: str | os.PathLike, *, image_size: int, num_classes: int, augment: bool = False,
+                 decode: str = "cpu"):
+        from torchvision import datasets
+
+        if decode not in DECODERS:
+            raise UsageError(f"data.decode={decode} is not a decoder; use one of auto, {', '.join(DECODERS)}")
         check_imagefolder(str(path), num_classes=num_classes)
-        self.augment, size = augment, image_size
-        self.normalize = transforms.Compose([transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
-        self.eval_tf = transforms.Compose([transforms.Resize(size), transforms.CenterCrop(size)])
-        self.crop = transforms.RandomResizedCrop(size, antialias=True)
+        self.augment, self.size, self.decode = augment, int(image_size), decode
+        self._norm: dict = {}
         try:
-            self.folder = datasets.ImageFolder(str(path), loader=load_image)
+            self.samples = datasets.ImageFolder(str(path), loader=str).samples  # [(file, class)]
         except FileNotFoundError as e:  # the folder changed since the check
             raise UsageError(f"data.path {path}: {e}") from None
 
     def __len__(self) -> int:
-        return len(self.folder)
+        return len(self.samples)
 
-    def __getitem__(self, index):
-        image, label = self.folder[int(index)]
+    def crop_of(self, index, h: int, w: int) -> tuple[int, int, int, int, bool]:
+        """(top, left, height, width, flip) of sample `index` in an h x w image."""
         if not self.augment:
-            return self.normalize(self.eval_tf(image)), label
+            side = min(h, w)
+            return (h - side) // 2, (w - side) // 2, side, side, False
         import torch
-        from torchvision.transforms import functional as TF
+        from torchvision.transforms import RandomResizedCrop
 
         seed = sample_seed(index)
         with torch.random.fork_rng(devices=[]):  # the process's own RNG (the trainer's, with 0 workers) untouched
             if seed is not None:
                 torch.manual_seed(seed)
-            top, left, h, w = self.crop.get_params(image, self.crop.scale, self.crop.ratio)
+            top, left, ch, cw = RandomResizedCrop.get_params(torch.empty((3, h, w), device="meta"),
+                                                             [0.08, 1.0], [3 / 4, 4 / 3])
             flip = bool(torch.rand(()) < 0.5)
-        image = TF.resized_crop(image, top, left, h, w, self.crop.size, antialias=True)
-        if flip:
-            image = TF.hflip(image)
-        return self.normalize(image), label
+        return top, left, ch, cw, flip
+
+    def __getitem__(self, index):
+        import torch
+
+        path, label = self.samples[int(index)]
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except OSError as e:
+            raise _bad(path, e.strerror or e) from None
+        if self.decode == "gpu" and raw[:3] == JPEG_MAGIC:
+            h, w = image_size_of(raw, path)
+            return Encoded(torch.frombuffer(bytearray(raw), dtype=torch.uint8), self.crop_of(index, h, w), path), label
+        image = decode_pixels(torch.frombuffer(bytearray(raw), dtype=torch.uint8), path)
+        return crop_resize(image, self.crop_of(index, image.shape[1], image.shape[2]), self.size), label
+
+    def collate(self, items):
+        """A batch: (uint8 pixels, labels), or with decode="gpu" (an EncodedBatch, labels)."""
+        import torch
+        from torch.utils.data import default_collate
+
+        if self.decode == "cpu":
+            return default_collate(items)
+        return EncodedBatch([x for x, _ in items]), torch.tensor([y for _, y in items])
+
+    def to_device(self, batch, device):
+        """The collated batch on `device`, decoded (decode="gpu") and normalised: (float32 x, labels)."""
+        import torch
+
+        x, y = batch
+        if isinstance(x, EncodedBatch):
+            x = x.decode(device, self.size)
+        else:
+            x = x.to(device, non_blocking=True)
+        key = str(device)
+        if key not in self._norm:  # made once per device: a small copy from pageable memory waits for the GPU
+            self._norm[key] = (torch.tensor(MEAN).view(1, 3, 1, 1).mul(255).to(device),
+                               torch.tensor(STD).view(1, 3, 1, 1).mul(255).to(device))
+        mean, std = self._norm[key]
+        return (x.float() - mean) / std, y.to(device, non_blocking=True)
+
+
+def crop_resize(image, crop: tuple[int, int, int, int, bool], size: int):
+    """The crop of a 3 x H x W uint8 image, resized to size x size (bilinear, antialiased) and flipped if asked;
+    on the image's device, so the CPU and GPU decoders share it."""
+    from torchvision.transforms.v2 import functional as F
+
+    top, left, h, w, flip = crop
+    out = F.resized_crop(image, top, left, h, w, [size, size], antialias=True)
+    return F.horizontal_flip(out) if flip else out
+
+
+class Encoded:
+    """One undecoded image: its file's bytes, its crop (ImageFolder.crop_of) and its path (for the error)."""
+
+    def __init__(self, data, crop, path: str):
+        self.data, self.crop, self.path = data, crop, path
+
+
+class EncodedBatch:
+    """A batch of images still to decode: JPEG bytes, or pixels the workers decoded (other formats).
+
+    `pin_memory` is what a DataLoader with pin_memory=True calls on it."""
+
+    def __init__(self, items: list):
+        self.items = items
+
+    def pin_memory(self):
+        for it in self.items:
+            if isinstance(it, Encoded):
+                it.data = it.data.pin_memory()
+        return self
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def decode(self, device, size: int):
+        """n x 3 x size x size uint8 on `device`: the JPEGs in one batched nvJPEG call, each cropped there."""
+        import torch
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        jpegs = [it for it in self.items if isinstance(it, Encoded)]
+        decoded = {}
+        if jpegs:
+            try:
+                images = decode_jpeg([it.data for it in jpegs], mode=ImageReadMode.RGB, device=device)
+            except RuntimeError:
+                # One file nvJPEG cannot read fails the whole call: decode those one at a time on the CPU,
+                # which names a damaged file (and reads the odd JPEG nvJPEG does not support).
+                images = [decode_pixels(it.data.cpu(), it.path).to(device, non_blocking=True) for it in jpegs]
+            decoded = {id(it): im for it, im in zip(jpegs, images)}
+        out = torch.empty((len(self.items), 3, size, size), dtype=torch.uint8, device=device)
+        for i, it in enumerate(self.items):
+            if isinstance(it, Encoded):
+                out[i] = crop_resize(decoded[id(it)], it.crop, size)
+            else:
+                out[i] = it.to(device, non_blocking=True)
+        return out

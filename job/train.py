@@ -168,10 +168,10 @@ class Trainer:
         # The workload (job.workload): the user's code or a built-in, found by the name in the config.
         self.resolved = config.workload_of(cfg)
         self.workload, self.settings = self.resolved.workload, config.workload_settings(cfg)
-        self.data = Data(self.resolved, self.settings, cfg.data, seed=t.seed)
         multi = REGISTRY[cfg.strategy.name].multi_process
         self.devices = _pick_devices(cfg, env, multi)
         self.device = self.devices[0]
+        self.data = Data(self.resolved, self.settings, cfg.data, seed=t.seed, device=self.device)
         if multi and env.world_size > 1:
             backend = cfg.strategy.backend
             if backend == "auto":

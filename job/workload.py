@@ -75,6 +75,7 @@ class DataRequest:
     split: str = "train"
     seed: int = 0
     token_dtype: str = "uint16"  # data.token_dtype, for token files
+    decode: str = "cpu"  # data.decode resolved: where image files are decoded, "cpu" (the workers) or "gpu"
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,11 @@ class Workload:
     dataset: Callable[..., Any] | None = None
     """dataset(settings, request: DataRequest) -> a map-style torch Dataset whose items are (x, y) samples.
     Samples are addressed by index: the job draws indices by global sample id (a seeded permutation per
-    epoch), so resume and any split see the same samples."""
+    epoch), so resume and any split see the same samples. Two optional methods of the dataset shape the
+    path to the model: `collate(items) -> batch` (the DataLoader's collate_fn; default torch's
+    default_collate) and `to_device(batch, device) -> (x, y)` (run in the training process, on a side CUDA
+    stream with data.prefetch; default: each tensor copied as it is). job.datasets.ImageFolder uses them to
+    send uint8 pixels, or undecoded JPEGs, and finish the work on the GPU."""
     data_kinds: tuple[str, ...] = ()
     """The data.kind values `dataset` reads (e.g. ("tokens",), ("imagefolder",), ("csv",))."""
     blocks: Callable[..., Sequence[Any]] | None = None

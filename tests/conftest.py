@@ -51,3 +51,22 @@ def job_cmd(*args: str) -> list[str]:
         args = tuple(a for i, a in enumerate(args)
                      if i >= last or not (a.startswith("workload=") or a.startswith("workload.")))
     return [sys.executable, "-m", "job", *args]
+
+
+# -- two workers (make test runs pytest-xdist with --dist loadgroup) ----------------------------------------
+# Tests that share one daemon stay on one worker, in file order: the two Slurm files (one munged, and their
+# clusters' slurmd share this host's name) and the two Docker files (one engine on one data root). They run
+# first, as they are the longest; every other test goes to whichever worker is free.
+SHARED = {"test_slurm.py": "slurm", "test_slurm_multinode.py": "slurm",
+          "test_docker.py": "docker", "test_k8s_docker.py": "docker"}
+
+
+def pytest_collection_modifyitems(config, items):
+    first = []
+    for item in items:
+        group = SHARED.get(item.path.name)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+        first.append(group is None)
+    order = sorted(range(len(items)), key=lambda i: first[i])  # stable: file order within each part
+    items[:] = [items[i] for i in order]

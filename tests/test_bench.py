@@ -16,6 +16,7 @@ import gzip
 import json
 import math
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -644,7 +645,7 @@ def test_image_folder_is_generated_once_and_reused(tmp_path):
     assert len(files) == 12 and len({f.parent.name for f in files}) == 10 and info["generated_s"] is not None
     for f in files:
         with Image.open(f) as im:
-            assert im.format == "JPEG" and all(400 <= s <= 500 for s in im.size)
+            assert im.format == "JPEG" and max(im.size) == 500 and 333 <= min(im.size) <= 375  # ImageNet's shapes
     assert info["bytes"] == sum(f.stat().st_size for f in files)
     before = [f.stat().st_mtime_ns for f in files]
     again = bench.image_folder(tmp_path / "img", 12, seed=3)
@@ -661,7 +662,7 @@ def test_imagefolder_rows_end_to_end(tmp_path):
     p = run_bench(out, "bench.warmup=1", "bench.steps=40", "bench.repeats=1", "bench.baseline=none",
                   "strategies=[dp]", "train.batch_size=8", "bench.imagefolder=true", "bench.imagefolder_images=20",
                   f"bench.imagefolder_dir={images}", "bench.telemetry_overhead=true", "bench.telemetry_strategy=dp",
-                  "bench.scrape_interval_s=0.05")
+                  "bench.scrape_interval_s=0.05", "bench.reference=true")
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads((out / "bench.json").read_text())
     validate(doc)
@@ -678,11 +679,18 @@ def test_imagefolder_rows_end_to_end(tmp_path):
     assert c["b"] == "dp" and c["verdict"] == "one run each: no claim"
     assert c["ratio"] == pytest.approx(img["units_per_s"] / syn["units_per_s"])
     table = p.stdout[p.stdout.index("== bench tiny"):]
-    assert "dp+imagefolder  dp        imagefolder" in table
+    assert re.search(r"\ndp\+imagefolder +dp +imagefolder ", table), table
     assert f"  dp+imagefolder / dp: img/s {c['ratio']:.2f}x: one run each: no claim" in table
     # dp on a CPU is one process: no scaling figure, and the JSON says why.
     assert syn["scaling_vs_1"] is None and syn["scaling_note"] == "no baseline"
     assert "imagefolder: 20 generated JPEG files" in table
+    # The hand-written loop: the same model, optimizer and batch, timed over the same steps; dp (one card) / loop.
+    loop = runs["loop"]
+    assert (loop["kind"], loop["status"], loop["data"]) == ("reference", "ok", "synthetic"), loop
+    assert loop["command"][:3] == ["python", "-m", "job.bench.reference"] and loop["batch_size"] == 8
+    (c,) = [c for c in w["comparisons"] if c["b"] == "loop"]
+    assert c["a"] == "dp" and c["ratio"] == pytest.approx(syn["units_per_s"] / loop["units_per_s"])
+    assert re.search(r"\nloop +none \(plain loop\) +synthetic ", table) and "  dp / loop: img/s" in table
     assert "telemetry overhead (dp, 1 pair(s), scraped every 0.05 s" in table
     o = w["telemetry_overhead"]
     on = next(r for r in w["runs"] if r["name"] == "telemetry-on-1")
@@ -695,6 +703,35 @@ def test_imagefolder_rows_end_to_end(tmp_path):
     assert o["off_step_s"] == [dp1["step_s"]] and o["on_step_s"] == [on["step_s"]]
     assert on["scrapes_ok"] >= 1, on  # the exporter really served /metrics while it trained
     assert o["scrapes_ok"] == on["scrapes_ok"] and o["note"] is None
+
+
+def test_tokens_rows_end_to_end(tmp_path):
+    """bench.tokens: a token file generated once (enough windows for every timed step), and each strategy on
+    it next to its synthetic row, with the ratio."""
+    out = tmp_path / "t"
+    lm = ["workload=lm", "workload.layers=1", "workload.d_model=32", "workload.heads=2", "workload.vocab=300",
+          "workload.seq_len=16", "train.batch_size=8", "train.device=cpu"]
+    p = subprocess.run(job_cmd("bench", *lm, f"bench.out={out}", f"train.run_dir={tmp_path}", "bench.warmup=1",
+                               "bench.steps=2", "bench.repeats=1", "bench.baseline=none", "strategies=[dp]",
+                               "bench.tokens=true"), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((out / "bench.json").read_text())
+    validate(doc)
+    w = doc["workloads"][0]
+    t = w["tokens"]
+    assert t["dtype"] == "uint16" and t["tokens"] == (1 + 2 + 1) * 8 * 16 + 1 and Path(t["path"]).stat().st_size == 2 * t["tokens"]
+    runs = runs_by_name(doc)
+    tok = runs["dp+tokens"]
+    assert (tok["kind"], tok["data"], tok["status"]) == ("tokens", "tokens", "ok"), tok
+    for arg in ("data.kind=tokens", f"data.path={t['path']}", "data.token_dtype=uint16"):
+        assert arg in tok["command"], tok["command"]
+    (c,) = [c for c in w["comparisons"] if c["a"] == "dp+tokens"]
+    assert c["b"] == "dp" and c["ratio"] == pytest.approx(tok["units_per_s"] / runs["dp"]["units_per_s"])
+    assert f"tokens: a generated file of {t['tokens']:,} random uint16 token ids" in p.stdout
+    # bench.tokens with a workload that reads no token file: one line, exit 2, nothing run.
+    p = subprocess.run(job_cmd("bench", "workload=tiny", "train.device=cpu", f"train.run_dir={tmp_path}",
+                               "bench.tokens=true"), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "bench.tokens=true needs a workload that reads data.kind=tokens" in p.stderr, p.stderr
 
 
 # -- profile ------------------------------------------------------------------------------------

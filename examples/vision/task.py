@@ -50,7 +50,7 @@ def example_batch(s: Settings, n: int, generator: torch.Generator):
 
 def images(s: Settings, request):
     return ImageFolder(request.path, image_size=s.image_size, num_classes=s.classes,
-                       augment=s.augment and request.split == "train")
+                       augment=s.augment and request.split == "train", decode=request.decode)
 
 
 workload = Workload(

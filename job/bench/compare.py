@@ -11,7 +11,7 @@ import os
 import statistics
 from typing import TYPE_CHECKING, Any
 
-from job.bench.imagefolder import image_folder
+from job.bench.imagefolder import image_folder, token_file
 from job.bench.process import _free_port
 from job.bench.results import COMPARED, _card_key, empty_run, workload_result
 from job.bench.settings import _multi_process
@@ -113,9 +113,13 @@ def summary_scaling(rows: list[dict], n: int) -> None:
             r["scaling_vs_1"] = r["units_per_s"]["median"] / (n * base["units_per_s"]["median"])
 
 
+REAL_DATA = ("imagefolder", "tokens")  # the kinds of rows that read files (bench.imagefolder, bench.tokens)
+
+
 def comparisons(rows: list[dict]) -> list[dict]:
-    """Every pair of strategy rows (throughput; busiest card's peak where cards were measured), and each
-    imagefolder row against its strategy's synthetic row (throughput: where the input pipeline limits)."""
+    """Every pair of strategy rows (throughput; busiest card's peak where cards were measured), each real-data
+    row against its strategy's synthetic row (throughput: where the input pipeline limits), and each one-card
+    row against the hand-written loop (throughput: what the trainer costs)."""
     out = []
     strat = [r for r in rows if r["kind"] == "strategy" and r["units_per_s"]]
     for i, a in enumerate(strat):
@@ -125,10 +129,15 @@ def comparisons(rows: list[dict]) -> list[dict]:
                 out.append(compare(a["name"], b["name"], "busiest_peak_bytes", a["busiest_peak_bytes"],
                                    b["busiest_peak_bytes"]))
     for r in rows:
-        if r["kind"] == "imagefolder" and r["units_per_s"]:
+        if r["kind"] in REAL_DATA and r["units_per_s"]:
             syn = next((s for s in strat if s["strategy"] == r["strategy"]), None)
             if syn is not None:
                 out.append(compare(r["name"], syn["name"], "units_per_s", r["units_per_s"], syn["units_per_s"]))
+    loop = next((r for r in rows if r["kind"] == "reference" and r["units_per_s"]), None)
+    if loop is not None:
+        for r in rows:
+            if r["kind"] == "strategy" and r["units_per_s"] and r["units"] == 1:
+                out.append(compare(r["name"], loop["name"], "units_per_s", r["units_per_s"], loop["units_per_s"]))
     return out
 
 
@@ -144,7 +153,7 @@ def _scaling(runs: list[dict], n: int) -> None:
     """Per run: scaling vs 1 = throughput_n / (n x throughput_1 of the same repeat's baseline)."""
     bases = {r["repeat"]: r for r in runs if r["kind"] == "baseline"}
     for r in runs:
-        if r["kind"] not in ("strategy", "imagefolder") or r["status"] != "ok":
+        if r["kind"] not in ("strategy", *REAL_DATA) or r["status"] != "ok":
             continue
         base = bases.get(r["repeat"])
         if base is None or base["status"] != "ok":
@@ -180,13 +189,27 @@ def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
             env = {"CUDA_VISIBLE_DEVICES": bench._first_card()} if bench.cuda else {}
             plan.append((label, "baseline", bench.b.baseline,
                          [f"train.batch_size={global_batch // n}", "strategy.nprocs=1"], env))
+    if bench.b.reference:
+        env = {"CUDA_VISIBLE_DEVICES": bench._first_card()} if bench.cuda else {}
+        # The loop ignores the strategy; the baseline's keeps the command one the trainer accepts.
+        # It trains the global batch on one card, as the one-card rows it is compared with do.
+        plan.append(("loop", "reference", bench.b.baseline if bench.b.baseline not in ("", "none") else "ddp",
+                     ["strategy.nprocs=1"], env))
     for s in bench.b.strategies:
         plan.append((s, "strategy", s, [], {}))
-    images = None
+    images = tokens = None
     if bench.b.imagefolder and "imagefolder" in spec.kinds():
         images = image_folder(bench.images_dir, bench.b.imagefolder_images, seed=int(ref_cfg.train.seed))
         for s in bench.b.strategies:
-            plan.append((f"{s}+imagefolder", "imagefolder", s, _image_args(bench, s, images["path"]), {}))
+            plan.append((f"{s}+imagefolder", "imagefolder", s, _file_args(bench, s, "imagefolder", images["path"]), {}))
+    if bench.b.tokens and "tokens" in spec.kinds():
+        w = ref_cfg.workload
+        # Enough windows that no timed step reads a window twice: the file is read as a real one would be.
+        needed = (bench.b.warmup + bench.b.steps + 1) * global_batch * int(w.seq_len) + 1
+        tokens = token_file(bench.tokens_dir, tokens=needed, vocab=int(w.vocab), seed=int(ref_cfg.train.seed))
+        for s in bench.b.strategies:
+            plan.append((f"{s}+tokens", "tokens", s, _file_args(bench, s, "tokens", tokens["path"],
+                                                               f"data.token_dtype={tokens['dtype']}"), {}))
     runs: list[dict] = []
     for rep in range(bench.b.repeats):
         for item in rotated(plan, rep):
@@ -195,8 +218,9 @@ def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
                     runs.append(item)
                 continue
             name, kind, strategy, extra, env = item
+            module = "job.bench.reference" if kind == "reference" else "job"
             runs.append(bench.run_one(workload, name, kind, strategy, extra=extra, env=env, repeat=rep + 1,
-                                      run_id=f"{workload}-{name}-r{rep + 1}"))
+                                      run_id=f"{workload}-{name}-r{rep + 1}", module=module))
         if bench.interrupted:  # this repeat's other runs are listed as not run; no further repeats
             break
     _scaling(runs, n)
@@ -205,11 +229,12 @@ def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
     summary = summarize(runs, names, window=[bench.b.warmup, bench.b.warmup + bench.b.steps])
     summary_scaling(summary, n)
     return workload_result(workload, ref_cfg, cards=n, runs=runs, summary=summary,
-                           comparisons=comparisons(summary), telemetry_overhead=overhead, imagefolder=images)
+                           comparisons=comparisons(summary), telemetry_overhead=overhead, imagefolder=images,
+                           tokens=tokens)
 
 
-def _image_args(bench: Bench, strategy: str, path: str) -> list[str]:
-    extra = ["data.kind=imagefolder", f"data.path={path}", "data.prefetch=true"]
+def _file_args(bench: Bench, strategy: str, kind: str, path: str, *more: str) -> list[str]:
+    extra = [f"data.kind={kind}", f"data.path={path}", "data.prefetch=true", *more]
     if "data.workers" not in bench.overrides:
         # Workers per training process: the cores of its share of the machine, one left for the
         # process itself (a single-process strategy feeds every card from one loader).

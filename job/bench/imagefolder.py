@@ -1,4 +1,5 @@
-"""bench.imagefolder: JPEG files generated on disk, so the imagefolder rows decode real files like ImageNet's."""
+"""The real-data rows' files, generated on disk once and reused: bench.imagefolder's JPEG files (so the
+imagefolder rows decode real files like ImageNet's) and bench.tokens's token file (the tokens rows)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,9 @@ IMAGE_CLASSES = 10
 
 
 def _make_images(args: tuple[str, list[tuple[int, int]], int]) -> int:
-    """Write JPEGs [(index, class)] under root: smooth random colour fields with grain, 400-500 px a side,
-    so their size and decode cost are like ImageNet's. Returns the bytes written."""
+    """Write JPEGs [(index, class)] under root: smooth random colour fields with grain, ImageNet's typical
+    500 x 333-375 (one in four portrait), quality 95, so that their size (about 115 kB) and decode cost are
+    like ImageNet's. Returns the bytes written."""
     import numpy as np
     from PIL import Image
 
@@ -25,12 +27,14 @@ def _make_images(args: tuple[str, list[tuple[int, int]], int]) -> int:
     total = 0
     for i, cls in items:
         rng = np.random.default_rng(seed * 1_000_003 + i)
-        w, h = (int(v) for v in rng.integers(400, 501, size=2))
+        w, h = 500, int(rng.integers(333, 376))
+        if rng.random() < 0.25:
+            w, h = h, w
         small = rng.integers(0, 256, size=(int(rng.integers(6, 24)), int(rng.integers(6, 24)), 3), dtype=np.uint8)
         img = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC), dtype=np.int16)
-        img = img + rng.normal(0, 10, size=(h, w, 3)).astype(np.int16)
+        img = img + rng.normal(0, 12, size=(h, w, 3)).astype(np.int16)
         path = Path(root) / f"class_{cls:02d}" / f"img_{i:06d}.jpg"
-        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(path, "JPEG", quality=90)
+        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(path, "JPEG", quality=95)
         total += path.stat().st_size
     return total
 
@@ -39,7 +43,7 @@ def image_folder(root: Path, images: int, *, seed: int = 0) -> dict[str, Any]:
     """An ImageFolder root of `images` generated JPEGs in IMAGE_CLASSES classes, reused when its
     MANIFEST.json says it holds the same; returns the manifest (path, images, classes, bytes, generated_s)."""
     manifest = root / "MANIFEST.json"
-    want = {"images": images, "classes": IMAGE_CLASSES, "seed": seed, "format": 1}
+    want = {"images": images, "classes": IMAGE_CLASSES, "seed": seed, "format": 2}
     if manifest.is_file():
         with contextlib.suppress(OSError, ValueError):
             doc = json.loads(manifest.read_text())
@@ -68,3 +72,28 @@ def image_folder(root: Path, images: int, *, seed: int = 0) -> dict[str, Any]:
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(manifest)  # written last: a half-generated folder is regenerated next time
     return {"path": str(root), "images": images, "classes": IMAGE_CLASSES, "bytes": total, "generated_s": took}
+
+
+def token_file(root: Path, *, tokens: int, vocab: int, seed: int = 0) -> dict[str, Any]:
+    """A flat file of `tokens` random token ids below `vocab` (uint16 when they fit, else uint32), reused
+    when it exists with that name (the name holds all four); returns path, tokens, dtype, bytes, generated_s."""
+    import numpy as np
+
+    dtype = "uint16" if vocab <= 2**16 else "uint32"
+    path = root / f"tokens-{vocab}-{tokens}-{seed}.{dtype}.bin"
+    item = np.dtype(dtype).itemsize
+    took = None
+    if not (path.is_file() and path.stat().st_size == tokens * item):
+        root.mkdir(parents=True, exist_ok=True)
+        log.info("bench: generating a token file of %d tokens in %s (once; later benches reuse it)", tokens, path)
+        t = time.monotonic()
+        rng = np.random.default_rng(seed)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            for start in range(0, tokens, 1 << 24):
+                rng.integers(0, vocab, size=min(1 << 24, tokens - start), dtype=np.dtype(dtype)).tofile(f)
+        tmp.replace(path)  # renamed last: a half-written file is written again next time
+        took = round(time.monotonic() - t, 2)
+    else:
+        log.info("bench: reusing the token file %s", path)
+    return {"path": str(path), "tokens": tokens, "dtype": dtype, "bytes": tokens * item, "generated_s": took}

@@ -11,9 +11,10 @@ from typing import Any
 
 from job.breakdown import KINDS
 
-SCHEMA_ID = "trainjob-bench/3"  # 3: each card's memory by kind (cards[].kinds)
+SCHEMA_ID = "trainjob-bench/4"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows
 # Runs whose numbers are compared across repeats (one table row each).
-COMPARED = ("baseline", "strategy", "imagefolder")
+COMPARED = ("baseline", "reference", "strategy", "imagefolder", "tokens")
+DATA = ("synthetic", "imagefolder", "tokens")
 
 
 def _obj(props: dict[str, Any]) -> dict[str, Any]:
@@ -42,11 +43,10 @@ CARD_SCHEMA = _obj({
 })
 RUN_SCHEMA = _obj({
     "name": _STR,
-    "kind": {"enum": ["baseline", "strategy", "imagefolder", "telemetry_off", "telemetry_on", "maxbatch_trial",
-                      "profile"]},
+    "kind": {"enum": [*COMPARED, "telemetry_off", "telemetry_on", "maxbatch_trial", "profile"]},
     "strategy": _STR,
     "repeat": _INT,
-    "data": {"enum": ["synthetic", "imagefolder"]},
+    "data": {"enum": list(DATA)},
     "status": {"enum": ["ok", "failed", "skipped", "interrupted"]},
     "reason": _nullable(_STR),
     "exit_code": _nullable(_INT),
@@ -76,7 +76,7 @@ RUN_SCHEMA = _obj({
 SPREAD_SCHEMA = _obj({"median": _NUM, "min": _NUM, "max": _NUM, "n": _INT})
 SUMMARY_SCHEMA = _obj({
     "name": _STR, "kind": {"enum": list(COMPARED)}, "strategy": _STR,
-    "data": {"enum": ["synthetic", "imagefolder"]},
+    "data": {"enum": list(DATA)},
     "runs": _INT, "ok": _INT, "world_size": _nullable(_INT), "units": _nullable(_INT),
     "samples_per_s": _nullable(SPREAD_SCHEMA), "units_per_s": _nullable(SPREAD_SCHEMA),
     "busiest_peak_bytes": _nullable(SPREAD_SCHEMA), "imbalance": _nullable(SPREAD_SCHEMA),
@@ -135,6 +135,8 @@ WORKLOAD_SCHEMA = _obj({
     "telemetry_overhead": _nullable(OVERHEAD_SCHEMA),
     "imagefolder": _nullable(_obj({"path": _STR, "images": _INT, "classes": _INT, "bytes": _INT,
                                    "generated_s": _nullable(_NUM)})),
+    "tokens": _nullable(_obj({"path": _STR, "tokens": _INT, "dtype": _STR, "bytes": _INT,
+                              "generated_s": _nullable(_NUM)})),
     "maxbatch": _nullable(_array(MAXBATCH_SCHEMA)),
     "profiles": _nullable(_array(PROFILE_SCHEMA)),
 })
@@ -158,7 +160,7 @@ RESULT_SCHEMA = {
         "settings": _obj({
             "steps": _INT, "warmup": _INT, "repeats": _INT, "strategies": _array(_STR),
             "workloads": _array(_STR), "baseline": _STR, "cpu_procs": _INT, "overrides": {"type": "object"},
-            "out": _STR, "imagefolder": _BOOL,
+            "out": _STR, "imagefolder": _BOOL, "tokens": _BOOL, "reference": _BOOL,
             "maxbatch": _obj({"key": _STR, "start": _INT, "steps": _INT, "trials": _INT, "minutes": _NUM, "precision": _NUM}),
         }),
         "tenant": _nullable(_obj({"gb": _NUM, "device": _STR, "pid": _INT})),
@@ -187,7 +189,7 @@ def empty_run(name: str, kind: str, strategy: str, *, repeat: int = 1, data: str
 
 def workload_result(workload: str, ref_cfg, *, cards: int, runs: list[dict], summary: list[dict] | None = None,
                     comparisons: list[dict] | None = None, telemetry_overhead: dict | None = None,
-                    imagefolder: dict | None = None, maxbatch: list[dict] | None = None,
+                    imagefolder: dict | None = None, tokens: dict | None = None, maxbatch: list[dict] | None = None,
                     profiles: list[dict] | None = None) -> dict[str, Any]:
     """One workload's part of bench.json (WORKLOAD_SCHEMA); `ref_cfg` is the workload's config as every run
     starts from it. The fields of the other modes stay empty (summary, comparisons) or None."""
@@ -197,4 +199,4 @@ def workload_result(workload: str, ref_cfg, *, cards: int, runs: list[dict], sum
     return {"workload": workload, "unit": spec.unit, "units_per_sample": spec.units(config_mod.workload_settings(ref_cfg)),
             "global_batch": int(ref_cfg.train.batch_size), "cards": cards, "runs": runs,
             "summary": summary or [], "comparisons": comparisons or [], "telemetry_overhead": telemetry_overhead,
-            "imagefolder": imagefolder, "maxbatch": maxbatch, "profiles": profiles}
+            "imagefolder": imagefolder, "tokens": tokens, "maxbatch": maxbatch, "profiles": profiles}

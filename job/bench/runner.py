@@ -100,10 +100,12 @@ class Bench:
         if self.b.tenant_gb and not self.cuda:
             raise UsageError(f"bench.tenant_gb={self.b.tenant_gb:g} holds memory on a CUDA card, and none is "
                              "visible; drop bench.tenant_gb or run where a GPU is")
-        if self.b.imagefolder and self.b.mode == "compare":
-            if not any("imagefolder" in config_mod.workload_of(c).workload.kinds() for c in loaded.values()):
-                raise UsageError(f"bench.imagefolder=true needs a workload that reads data.kind=imagefolder, and "
-                                 f"bench.workloads is {self.workloads}; add resnet50 (GPU) or tiny (CPU)")
+        for key, kind, hint in (("imagefolder", "imagefolder", "add resnet50 (GPU) or tiny (CPU)"),
+                                ("tokens", "tokens", "add lm")):
+            if self.b[key] and self.b.mode == "compare" and not any(
+                    kind in config_mod.workload_of(c).workload.kinds() for c in loaded.values()):
+                raise UsageError(f"bench.{key}=true needs a workload that reads data.kind={kind}, and "
+                                 f"bench.workloads is {self.workloads}; {hint}")
         if self.b.mode == "maxbatch" and self.b.maxbatch_key == "workload.layers":
             flat = [w for w, c in loaded.items() if "layers" not in c.workload]
             if flat:
@@ -113,6 +115,7 @@ class Bench:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         self.out = Path(self.b.out or Path(cfg.train.run_dir) / f"bench-{stamp}")
         self.images_dir = Path(self.b.imagefolder_dir or Path(cfg.train.run_dir) / "bench-images")
+        self.tokens_dir = Path(cfg.train.run_dir) / "bench-tokens"
         self.failed = 0
         self.child: subprocess.Popen | None = None
         self.interrupted = False
@@ -157,7 +160,7 @@ class Bench:
                 run_id: str | None = None, warmup: int | None = None, steps: int | None = None,
                 timeout_s: float | None = None, count_failure: bool = True,
                 module: str = "job") -> dict[str, Any]:
-        data = "imagefolder" if any(e == "data.kind=imagefolder" for e in extra) else "synthetic"
+        data = next((e.split("=", 1)[1] for e in extra if e.startswith("data.kind=")), "synthetic")
         row = empty_run(name, kind, strategy, repeat=repeat, data=data)
         if self.interrupted:
             row["reason"] = "the benchmark was interrupted before this run"
@@ -172,6 +175,8 @@ class Bench:
             row["reason"] = str(e)
             log.info("bench: %-22s skipped: %s", name, e)
             return row
+        # module: job (the trainer), job.bench (a profiled run: job.bench.profiling reads its files) or
+        # job.bench.reference (the hand-written loop: the same results files as the trainer's).
         command = ["-m", module] + (["train"] if module == "job" else []) + args
         cmd = [sys.executable, *command]
         row["command"] = ["python", *command]
@@ -215,7 +220,7 @@ class Bench:
             return self._fail(row, f"timed out after {limit / 60:g} min", count_failure)
         if code != EXIT_OK:
             return self._fail(row, _error_line(log_path.read_text(errors="replace")), count_failure)
-        if module != "job":
+        if module == "job.bench":
             row["status"] = "ok"
             return row
         try:
@@ -326,6 +331,7 @@ class Bench:
             "settings": {"steps": b.steps, "warmup": b.warmup, "repeats": b.repeats, "strategies": list(b.strategies),
                          "workloads": self.workloads, "baseline": b.baseline, "cpu_procs": b.cpu_procs,
                          "overrides": _nest(self.overrides), "out": str(self.out), "imagefolder": bool(b.imagefolder),
+                         "tokens": bool(b.tokens), "reference": bool(b.reference),
                          "maxbatch": {"key": b.maxbatch_key, "start": b.maxbatch_start, "steps": b.maxbatch_steps,
                                       "trials": b.maxbatch_trials, "minutes": float(b.maxbatch_minutes),
                                       "precision": float(b.maxbatch_precision)}},

@@ -66,7 +66,7 @@ def table(doc: dict, w: dict) -> str:
                    f"{r['scaling_vs_1']:.1%}" if r["scaling_vs_1"] is not None else "-")
         status = r["status"] + ("" if r["same_window"] else f" (peaks over steps {r['peak_window']}: not the timed steps)")
         body.append([
-            r["name"], _registered_name(r["strategy"]), r["data"], f"{r['world_size']}/{r['units']}" if ok else "-",
+            r["name"], "none (plain loop)" if r["kind"] == "reference" else _registered_name(r["strategy"]), r["data"], f"{r['world_size']}/{r['units']}" if ok else "-",
             cards("peak_allocated_bytes"), cards("peak_reserved_bytes"), cards("nvml_used_bytes"),
             _fmt(r["imbalance"], 1, ".2f", "x"),
             _fmt(r["units_per_s"]), scaling, status,
@@ -85,6 +85,10 @@ def table(doc: dict, w: dict) -> str:
         i = w["imagefolder"]
         lines.append(f"imagefolder: {i['images']} generated JPEG files ({i['bytes'] / i['images'] / 1e3:.0f} kB "
                      f"each on average, {i['classes']} classes) in {i['path']}")
+    if w.get("tokens"):
+        k = w["tokens"]
+        lines.append(f"tokens: a generated file of {k['tokens']:,} random {k['dtype']} token ids "
+                     f"({k['bytes'] / 1e6:,.0f} MB), memory-mapped, in {k['path']}")
     o = w["telemetry_overhead"]
     if o is not None:
         if o["overhead"] is None:

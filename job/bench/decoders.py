@@ -1,0 +1,87 @@
+"""`python -m job.bench.decoders [--images N] [--batch B] [--size S] [--dir D]`: how fast each image decoder
+turns this machine's JPEG files into training samples, to choose data.decode by measurement.
+
+It generates (or reuses) bench.imagefolder's JPEG files in D and times, for N of them, ImageFolder's
+training sample (random resized crop to S x S and a flip) three ways:
+- `pil`: PIL decode and torchvision's PIL transforms to a normalised float tensor (the classic DataLoader
+  worker, and this job's before data.decode existed), one process;
+- `cpu`: data.decode=cpu, a worker's work: torchvision.io decode (libjpeg-turbo), crop and resize on
+  uint8, one process;
+- `gpu`: data.decode=gpu, the training process's work: one batched nvJPEG call per B files and the crops
+  on the GPU (the files' bytes read beforehand, as workers would).
+Per-process rates multiply by the DataLoader workers for the CPU decoders; the GPU rate is the whole card's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+
+def _rate(fn, n: int, repeats: int = 3) -> tuple[float, float, float]:
+    """Images/s of fn() (which handles n images): median, min and max over `repeats` timed calls after one warm-up."""
+    fn()
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        rates.append(n / (time.perf_counter() - t))
+    return statistics.median(rates), min(rates), max(rates)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    from torchvision import transforms
+
+    from job.bench.imagefolder import image_folder
+    from job.datasets import MEAN, STD, EncodedBatch, ImageFolder, SampleIndex, load_image
+
+    p = argparse.ArgumentParser(prog="python -m job.bench.decoders", description=__doc__.split("\n\n")[0])
+    p.add_argument("--images", type=int, default=512)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--size", type=int, default=224)
+    p.add_argument("--dir", default="runs/bench-images")
+    p.add_argument("--files", type=int, default=5000, help="JPEG files generated in --dir (bench.imagefolder's)")
+    a = p.parse_args(argv)
+    folder = image_folder(Path(a.dir), a.files)
+    torch.set_num_threads(1)  # one worker's view: rates are per process
+    ds = {d: ImageFolder(folder["path"], image_size=a.size, num_classes=10, augment=True, decode=d)
+          for d in ("cpu", "gpu")}
+    ids = [SampleIndex(i, i, 0) for i in range(min(a.images, len(ds["cpu"])))]
+    n = len(ids)
+    classic = transforms.Compose([transforms.RandomResizedCrop(a.size, antialias=True), transforms.RandomHorizontalFlip(),
+                                  transforms.ToTensor(), transforms.Normalize(MEAN, STD)])
+
+    def pil():
+        for i in ids:
+            classic(load_image(ds["cpu"].samples[int(i)][0]))
+
+    def cpu():
+        for i in ids:
+            ds["cpu"][i]
+
+    rows = [("pil", "PIL + torchvision transforms, float32 out", _rate(pil, n)),
+            ("cpu", "torchvision.io (libjpeg-turbo), uint8 crop+resize", _rate(cpu, n))]
+    if torch.cuda.is_available():
+        device = torch.device("cuda", 0)
+        items = [ds["gpu"][i][0] for i in ids]  # what the workers hand over: bytes and crops
+        batches = [EncodedBatch(items[j:j + a.batch]).pin_memory() for j in range(0, n, a.batch)]
+
+        def gpu():
+            for b in batches:
+                b.decode(device, a.size)
+            torch.cuda.synchronize()
+
+        rows.append(("gpu", f"nvJPEG batches of {a.batch} + crops on {torch.cuda.get_device_name(0)}", _rate(gpu, n)))
+    print(f"decoders: {n} of {folder['images']} generated JPEG files ({folder['bytes'] / folder['images'] / 1e3:.0f} kB "
+          f"on average) -> {a.size}x{a.size} training samples; img/s, median (min-max) of 3")
+    for name, what, (med, lo, hi) in rows:
+        per = "per process" if name != "gpu" else "the card"
+        print(f"  {name:<4} {med:9,.0f} ({lo:,.0f}-{hi:,.0f}) img/s {per:<11}  {what}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""The image data path (job.datasets.ImageFolder, job.data): the same sample ids give the same samples whichever
+decoder, worker count or split reads them; the GPU decoder's batch logic runs on the CPU here (the batched
+decode and the crops are the same code on either device), and on a card in tests/test_gpu_data.py; broken
+files are one line; data.decode is checked against the device."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT, job_cmd
+from PIL import Image
+
+from job import config
+from job.data import Data
+from job.datasets import BadImage, EncodedBatch, ImageFolder, SampleIndex
+
+CPU = torch.device("cpu")
+
+
+def make_folder(root: Path, per_class: int = 5, classes: int = 2, png_every: int = 4) -> Path:
+    """JPEGs of several shapes (some portrait, some smaller than the crop), one PNG in every `png_every`."""
+    rng = np.random.default_rng(0)
+    for c in range(classes):
+        (root / f"c{c}").mkdir(parents=True)
+        for i in range(per_class):
+            h, w = [(120, 160), (160, 120), (40, 50), (97, 131)][i % 4]
+            small = rng.integers(0, 256, size=(6, 8, 3), dtype=np.uint8)
+            img = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC))
+            ext = "png" if (c * per_class + i) % png_every == png_every - 1 else "jpg"
+            Image.fromarray(img).save(root / f"c{c}" / f"{i}.{ext}")
+    return root
+
+
+def batch(ds: ImageFolder, ids: list[SampleIndex], device=CPU):
+    return ds.to_device(ds.collate([ds[i] for i in ids]), device)
+
+
+@pytest.mark.parametrize("augment", [False, True])
+def test_the_gpu_decoders_batch_gives_the_cpu_decoders_samples(tmp_path, augment):
+    """decode=gpu's path (bytes from the workers, one batched decode, crops after it) run on the CPU gives
+    decode=cpu's samples exactly: the same decoder (libjpeg-turbo) and the same crop of the same sample id."""
+    root = make_folder(tmp_path / "imgs")
+    cpu = ImageFolder(root, image_size=32, num_classes=2, augment=augment, decode="cpu")
+    gpu = ImageFolder(root, image_size=32, num_classes=2, augment=augment, decode="gpu")
+    ids = [SampleIndex(i, 100 + i, 5) for i in range(len(cpu))]
+    xa, ya = batch(cpu, ids)
+    raw, _ = gpu.collate([gpu[i] for i in ids])
+    assert isinstance(raw, EncodedBatch) and sum(not torch.is_tensor(it) for it in raw.items) == 8  # 8 JPEGs, 2 PNGs
+    xb, yb = batch(gpu, ids)
+    assert xa.shape == (10, 3, 32, 32) and xa.dtype == torch.float32
+    assert torch.equal(xa, xb) and torch.equal(ya, yb)
+    # Normalised with ImageNet's statistics: a mid-grey pixel is near 0.
+    assert -2.2 < float(xa.min()) and float(xa.max()) < 2.7
+
+
+def test_a_sample_id_gets_its_crop_in_every_epoch_run_and_process(tmp_path):
+    root = make_folder(tmp_path / "imgs")
+    ds = ImageFolder(root, image_size=24, num_classes=2, augment=True)
+    a, b = ds[SampleIndex(3, 7, 1)][0], ds[SampleIndex(3, 7, 1)][0]
+    later = ds[SampleIndex(3, 7 + len(ds), 1)][0]  # the same file, another epoch: another crop
+    other_seed = ds[SampleIndex(3, 7, 2)][0]
+    assert a.dtype == torch.uint8 and torch.equal(a, b) and not torch.equal(a, later) and not torch.equal(a, other_seed)
+    plain = ImageFolder(root, image_size=24, num_classes=2, augment=False)
+    assert torch.equal(plain[3][0], plain[SampleIndex(3, 9, 0)][0])  # no augmentation: no seed involved
+    before = torch.random.get_rng_state()
+    ds[SampleIndex(2, 5, 1)]
+    assert torch.equal(before, torch.random.get_rng_state())  # the trainer's RNG is not moved
+
+
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_batches_are_the_same_with_workers_under_any_split(tmp_path, decode):
+    """job.data's stream on image files: 2 DataLoader workers give the samples of 0 workers, and a split of
+    each micro-batch into two shares (two ddp ranks) concatenates to the whole."""
+    root = make_folder(tmp_path / "imgs", per_class=6)
+    cfg = config.load(["workload=tiny", "workload.image_size=16", "workload.augment=true", "data.kind=imagefolder",
+                       f"data.path={root}", f"data.decode={decode}", "train.device=cpu"])
+    if decode == "gpu":  # on a CPU device data.decode=gpu is refused; the dataset's GPU path still runs on the CPU
+        cfg.data.decode = "cpu"
+
+    def stream(workers: int, offset: int, count: int):
+        cfg.data.workers = workers
+        d = Data(config.workload_of(cfg), config.workload_settings(cfg), cfg.data, seed=4, device=CPU)
+        if decode == "gpu":
+            ds, _ = d.train_set()
+            ds.decode = "gpu"
+        return d.batches(micro_batch=6, start=6, offset=offset, count=count, device=CPU, channels_last=False,
+                         prefetch=False)
+
+    whole, a, b = stream(0, 0, 6), stream(2, 0, 2), stream(0, 2, 4)
+    for _ in range(3):  # past the end of the first epoch (12 files)
+        x, y = next(whole)
+        xa, ya = next(a)
+        xb, yb = next(b)
+        assert x.shape == (6, 3, 16, 16)
+        assert torch.equal(x, torch.cat([xa, xb])) and torch.equal(y, torch.cat([ya, yb]))
+
+
+def test_a_damaged_jpeg_is_one_line_naming_it_with_either_decoder(tmp_path):
+    root = make_folder(tmp_path / "imgs")
+    bad = root / "c1" / "0.jpg"
+    bad.write_bytes(bad.read_bytes()[:200])  # the header survives: only the decode fails
+    for decode in ("cpu", "gpu"):
+        ds = ImageFolder(root, image_size=16, num_classes=2, decode=decode)
+        index = next(i for i, (p, _) in enumerate(ds.samples) if p == str(bad))
+        with pytest.raises(BadImage) as e:
+            batch(ds, [SampleIndex(j, j, 0) for j in range(len(ds))] if decode == "gpu" else [SampleIndex(index, 0, 0)])
+        assert str(e.value).startswith(f"cannot read image {bad} (") and str(e.value).endswith("fix or remove the file")
+    garbage = root / "c0" / "1.jpg"
+    garbage.write_bytes(b"not an image at all")
+    ds = ImageFolder(root, image_size=16, num_classes=2, decode="gpu")
+    index = next(i for i, (p, _) in enumerate(ds.samples) if p == str(garbage))
+    with pytest.raises(BadImage, match=f"cannot read image {garbage}"):
+        ds[index]
+
+
+def test_data_decode_gpu_on_a_cpu_run_is_refused(tmp_path):
+    root = make_folder(tmp_path / "imgs")
+    p = subprocess.run(job_cmd("train", "workload=tiny", "data.kind=imagefolder", f"data.path={root}",
+                               "data.decode=gpu", "train.device=cpu", "train.steps=1", f"train.run_dir={tmp_path}"),
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert p.stderr.strip().splitlines()[-1] == ("error: data.decode=gpu decodes images on the training GPU, and "
+                                                 "this run trains on the CPU; use data.decode=auto or data.decode=cpu")
+    assert not (tmp_path / "tiny").exists() or not any((tmp_path).rglob("*.pt"))
+    p = subprocess.run(job_cmd("train", "workload=tiny", "data.decode=jpeg", "train.device=cpu"), cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "data.decode" in p.stderr.strip().splitlines()[-1], p.stderr
