@@ -151,8 +151,9 @@ class DataCfg:
     """Copy the next batch to the GPU on a side CUDA stream while the current one computes."""
     decode: str = "auto"
     """imagefolder: where JPEG files are decoded: cpu (the DataLoader workers, libjpeg-turbo), gpu (the
-    training GPU, batched nvJPEG; the workers only read the files) or auto (gpu when training on a CUDA
-    device, else cpu). Either way a sample id gets the same crop; pixels differ by the decoders' rounding."""
+    training GPU, batched nvJPEG; the workers only read the files) or auto (cpu with data.workers, gpu
+    without workers on a CUDA device: the faster of the two in each case, measured in docs/benchmarks.md).
+    Either way a sample id gets the same crop; pixels differ by the decoders' rounding."""
     synthetic_pool: int = 64
     """synthetic: distinct samples generated once and cycled."""
 

@@ -61,7 +61,10 @@ class Data:
             raise UsageError("data.decode=gpu decodes images on the training GPU, and this run trains on the CPU; "
                              "use data.decode=auto or data.decode=cpu")
         if self.cfg.decode == "auto":
-            return "gpu" if cuda else "cpu"
+            # Measured on one H200 (docs/benchmarks.md): 15 workers decoding on the CPU keep ResNet-50 fed (0.98x
+            # synthetic), the GPU decoder does not (0.51x: it shares the card, and nvJPEG's Huffman stage runs in
+            # the training process); with no workers the GPU decoder is the faster by far.
+            return "gpu" if cuda and not self.cfg.workers else "cpu"
         return self.cfg.decode
 
     @property

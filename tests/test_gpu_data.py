@@ -14,12 +14,13 @@ from conftest import ROOT, job_cmd, requires_gpus
 from test_data_images import batch, make_folder
 
 from job.bench.imagefolder import image_folder
-from job.datasets import MEAN, STD, BadImage, ImageFolder, SampleIndex
+from job.datasets import STD, BadImage, ImageFolder, SampleIndex
 
 pytestmark = pytest.mark.gpu
 # nvJPEG against libjpeg-turbo on the same file: IDCT and chroma upsampling round differently. Measured on an
-# H200 over 64 generated photos-like files (docs/benchmarks.md): these bounds hold with room to spare.
-MEAN_LEVELS, P999_LEVELS = 1.0, 16
+# H200 (torchvision 0.26) over 64 generated files: mean 1.00 / 1.50 levels of 255, 99.9th percentile 6 / 11,
+# max 14 / 25 (centre crop / random resized crop; docs/benchmarks.md). The bounds leave room above those.
+MEAN_LEVELS, P999_LEVELS = 2.5, 16
 
 
 @requires_gpus(1)
@@ -39,7 +40,6 @@ def test_gpu_decoded_samples_match_the_cpu_decoded_ones(tmp_path, augment):
     print(f"augment={augment}: |gpu - cpu| mean {mean:.3f}, 99.9th percentile {p999:.2f}, max {float(levels.max()):.1f}"
           " levels of 255")
     assert mean < MEAN_LEVELS and p999 <= P999_LEVELS
-    assert len(MEAN) == 3
 
 
 @requires_gpus(1)
@@ -54,18 +54,19 @@ def test_a_damaged_jpeg_on_the_gpu_is_one_line(tmp_path):
 
 
 @requires_gpus(1)
-@pytest.mark.parametrize("strategy", ["ddp", "balanced"])
-def test_training_from_jpeg_files_decoded_on_the_gpu(tmp_path, strategy):
+@pytest.mark.parametrize("strategy,decode", [("ddp", "gpu"), ("balanced", "auto")])
+def test_training_from_jpeg_files_decoded_on_the_gpu(tmp_path, strategy, decode):
     folder = image_folder(tmp_path / "imgs", 200, seed=2)
     p = subprocess.run(job_cmd("train", "workload=resnet50", f"strategy={strategy}", "strategy.nprocs=1",
                                "workload.num_classes=10", "workload.augment=true", "train.batch_size=32",
                                "train.steps=12", "train.amp=bf16", "train.channels_last=true",
                                "data.kind=imagefolder", f"data.path={folder['path']}", "data.val_fraction=0.1",
-                               "data.workers=4", "data.prefetch=true", f"train.run_dir={tmp_path}",
+                               "data.workers=4", "data.prefetch=true", f"data.decode={decode}", f"train.run_dir={tmp_path}",
                                "train.run_id=r"), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert s["validation"]["val_samples"] == 20
     config = (tmp_path / "r" / "config.yaml").read_text()
-    assert "decode: auto" in config
+    assert f"decode: {decode}" in config
+    assert f"decoded on the {'gpu' if decode == 'gpu' else 'cpu'} (data.decode={decode})" in p.stderr, p.stderr[-3000:]
     print(f"{strategy}: {s['img_per_s']:,.0f} img/s")

@@ -275,12 +275,15 @@ def test_make_reads_its_settings_from_the_command_line_only():
         pytest.skip("make not installed")
     leaked = {"TIME": "%E real", "NODES": "7", "GPUS": "9", "ARGS": "train.steps=1", "STRATEGY": "fsdp",
               "JOB": "1", "QOS": "x", "ACCOUNT": "a", "PARTITION": "p", "EXECUTOR": "local"}
-    dry = subprocess.run([make, "-n", "submit"], cwd=ROOT, env={**os.environ, **leaked}, capture_output=True,
+    # A make that runs this test (`make test ARGS=...`) hands its own command-line variables down through
+    # MAKEFLAGS: this test's make is a fresh one from a shell.
+    base = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    dry = subprocess.run([make, "-n", "submit"], cwd=ROOT, env={**base, **leaked}, capture_output=True,
                          text=True, timeout=60).stdout
     line = next(ln for ln in dry.splitlines() if "-m job submit" in ln)
     assert line.split("-m job submit")[1].strip() == "", line
     asked = subprocess.run([make, "-n", "submit", "TIME=30", "NODES=2", "STRATEGY=ddp"], cwd=ROOT,
-                           env={**os.environ, **leaked}, capture_output=True, text=True, timeout=60).stdout
+                           env={**base, **leaked}, capture_output=True, text=True, timeout=60).stdout
     line = next(ln for ln in asked.splitlines() if "-m job submit" in ln)
     assert line.split("-m job submit")[1].split() == ["strategy=ddp", "submit.nodes=2", "submit.timeout_min=30"]
 
