@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from job import breakdown, config, failure, launch, memplan, recompute, report, rundir
+from job import breakdown, config, failure, launch, memplan, phases, recompute, report, rundir
 from job import checkpoint as ckpt
 from job import workload as wl
 from job.config import summary
@@ -172,6 +172,9 @@ class Trainer:
         self.devices = _pick_devices(cfg, env, multi)
         self.device = self.devices[0]
         self.data = Data(self.resolved, self.settings, cfg.data, seed=t.seed, device=self.device)
+        # Called with the step number after each optimizer step (and the strategy's on_step_end): the public
+        # seam for code that watches training from the same process, e.g. bench.mode=profile's window.
+        self.step_hooks: list = []
         if multi and env.world_size > 1:
             backend = cfg.strategy.backend
             if backend == "auto":
@@ -518,21 +521,27 @@ class Trainer:
             self._set_lr()
             self.optimizer.zero_grad(set_to_none=True)
             for micro in range(t.accum_steps):
-                x, y = next(self.batches)
+                with phases.mark("data"):
+                    x, y = next(self.batches)
                 with self.strategy.backward_sync(micro == t.accum_steps - 1):
                     with torch.autocast(self.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                        loss = self.strategy.loss(x, y)
+                        with phases.mark("forward+loss"):
+                            loss = self.strategy.loss(x, y)
                         if poison:
                             loss = loss * float("nan")
-                    self.scaler.scale(loss / t.accum_steps).backward()
+                    with phases.mark("backward"):
+                        self.scaler.scale(loss / t.accum_steps).backward()
                 loss_sum += loss.detach() / t.accum_steps
             if t.grad_clip:
                 self.scaler.unscale_(self.optimizer)
                 self.strategy.clip_grad_norm(t.grad_clip)
-            self.scaler.step(self.optimizer)
+            with phases.mark("optimizer"):
+                self.scaler.step(self.optimizer)
             self.scaler.update()
             self.step += 1
             self.strategy.on_step_end(self.step)
+            for hook in self.step_hooks:
+                hook(self.step)
             self.sample_position += t.batch_size
             window_steps += 1
             if self.step == plan_reset and warm and self.step < t.steps:

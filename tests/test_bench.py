@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover
     jsonschema = None
 
 from job import bench
-from job.bench.process import _error_line
+from job.bench.process import error_line
 from job.config import load
 from job.errors import UsageError
 
@@ -281,7 +281,7 @@ def test_timed_throughput_uses_the_logged_window():
     ("", "no output"),
 ])
 def test_error_line(log, line):
-    assert _error_line(log) == line
+    assert error_line(log) == line
 
 
 def _card(rank, i, peak, reserved, used, tensors=(0.5, 0.5, 1.0)):
@@ -326,7 +326,7 @@ def _env() -> dict:
 
 def _settings(**kw) -> dict:
     return {"steps": 50, "warmup": 10, "repeats": 2, "strategies": ["dp", "ddp", "balanced"], "workloads": ["lm"],
-            "baseline": "ddp", "cpu_procs": 2, "overrides": {}, "out": "/x", "imagefolder": False,
+            "baseline": "ddp", "cpu_procs": 2, "overrides": {}, "out": "/x", "imagefolder": False, "tokens": False, "reference": False,
             "maxbatch": {"key": "train.batch_size", "start": 16, "steps": 3, "trials": 12, "minutes": 30.0,
                          "precision": 0.05}, **kw}
 
@@ -348,7 +348,7 @@ def _gpu_doc() -> dict:
     bench.summary_scaling(summary, 2)
     w = {"workload": "lm", "unit": "tok", "units_per_sample": 1024, "global_batch": 16, "cards": 2, "runs": runs,
          "summary": summary, "comparisons": bench.comparisons(summary), "telemetry_overhead": None,
-         "imagefolder": None, "maxbatch": None, "profiles": None}
+         "imagefolder": None, "tokens": None, "maxbatch": None, "profiles": None}
     return {"schema": bench.SCHEMA_ID, "mode": "compare", "device": "cuda", "cards": 2, "settings": _settings(),
             "tenant": {"gb": 80.0, "device": "cuda:0", "pid": 1234}, "environment": _env(), "workloads": [w],
             "chart": None, "failed": 2}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from job.bench.results import _card_key
+from job.bench.results import card_key
 from job.bench.settings import MAXBATCH_KEYS
 from job.breakdown import KINDS
 
@@ -40,10 +40,10 @@ def write_chart(doc: dict, path: Path) -> None:
             key = doc["settings"]["maxbatch"].get("key", "train.batch_size")
             what = MAXBATCH_KEYS[key][0]
             bars = [(r["strategy"], {"peak_allocated_bytes": [c["peak_allocated_bytes"] for c in
-                                                              sorted(r["cards"], key=_card_key)],
+                                                              sorted(r["cards"], key=card_key)],
                                      "peak_reserved_bytes": [c["peak_reserved_bytes"] for c in
-                                                             sorted(r["cards"], key=_card_key)],
-                                     "devices": [c["device"] for c in sorted(r["cards"], key=_card_key)]})
+                                                             sorted(r["cards"], key=card_key)],
+                                     "devices": [c["device"] for c in sorted(r["cards"], key=card_key)]})
                     for r in w["maxbatch"] if r["cards"]]
             _memory_bars(ax_mem, bars, doc, f"{w['workload']}: per-card peak at the largest {what}")
             shown = w["maxbatch"]

@@ -12,9 +12,9 @@ import statistics
 from typing import TYPE_CHECKING, Any
 
 from job.bench.imagefolder import image_folder, token_file
-from job.bench.process import _free_port
-from job.bench.results import COMPARED, _card_key, empty_run, workload_result
-from job.bench.settings import _multi_process
+from job.bench.process import free_port
+from job.bench.results import COMPARED, card_key, empty_run, workload_result
+from job.bench.settings import multi_process
 from job.breakdown import KINDS
 
 if TYPE_CHECKING:
@@ -69,10 +69,10 @@ def summarize(runs: list[dict], names: list[str], *, window: list[int]) -> list[
             continue
         ok = [r for r in group if r["status"] == "ok"]
         cards = []
-        layout = {tuple(_card_key(c) for c in sorted(r["cards"], key=_card_key)) for r in ok}
+        layout = {tuple(card_key(c) for c in sorted(r["cards"], key=card_key)) for r in ok}
         if ok and len(layout) == 1:
             for i, key in enumerate(next(iter(layout))):
-                per = [sorted(r["cards"], key=_card_key)[i] for r in ok]
+                per = [sorted(r["cards"], key=card_key)[i] for r in ok]
                 used = [c["nvml_used_bytes"] for c in per]
                 cards.append({"rank": key[0], "device": key[1],
                               "peak_allocated_bytes": spread([c["peak_allocated_bytes"] for c in per]),
@@ -186,11 +186,11 @@ def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
             log.info("bench: %-22s skipped: %s", label, row["reason"])
             plan.append(row)
         else:
-            env = {"CUDA_VISIBLE_DEVICES": bench._first_card()} if bench.cuda else {}
+            env = {"CUDA_VISIBLE_DEVICES": bench.first_card()} if bench.cuda else {}
             plan.append((label, "baseline", bench.b.baseline,
                          [f"train.batch_size={global_batch // n}", "strategy.nprocs=1"], env))
     if bench.b.reference:
-        env = {"CUDA_VISIBLE_DEVICES": bench._first_card()} if bench.cuda else {}
+        env = {"CUDA_VISIBLE_DEVICES": bench.first_card()} if bench.cuda else {}
         # The loop ignores the strategy; the baseline's keeps the command one the trainer accepts.
         # It trains the global batch on one card, as the one-card rows it is compared with do.
         plan.append(("loop", "reference", bench.b.baseline if bench.b.baseline not in ("", "none") else "ddp",
@@ -238,7 +238,7 @@ def _file_args(bench: Bench, strategy: str, kind: str, path: str, *more: str) ->
     if "data.workers" not in bench.overrides:
         # Workers per training process: the cores of its share of the machine, one left for the
         # process itself (a single-process strategy feeds every card from one loader).
-        procs = bench.cards if _multi_process(strategy) else 1
+        procs = bench.cards if multi_process(strategy) else 1
         extra.append(f"data.workers={max(1, min(16, (os.cpu_count() or 2) // procs - 1))}")
     return extra
 
@@ -256,7 +256,7 @@ def _telemetry_overhead(bench: Bench, workload: str, runs: list[dict]) -> dict[s
         if a is None:
             a = bench.run_one(workload, f"telemetry-off-{i}", "telemetry_off", s, extra=["telemetry.port=0"])
             runs.append(a)
-        port = _free_port()
+        port = free_port()
         z = bench.run_one(workload, f"telemetry-on-{i}", "telemetry_on", s,
                           extra=[f"telemetry.port={port}", "telemetry.host=127.0.0.1"], scrape_port=port)
         runs.append(z)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from job import config as config_mod
 from job.bench.results import workload_result
-from job.bench.settings import _multi_process
+from job.bench.settings import multi_process
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
 
 if TYPE_CHECKING:
@@ -134,8 +134,8 @@ def _search(bench: Bench, workload: str, strategy: str, ref_cfg, runs: list[dict
 
     key = bench.b.maxbatch_key
     if key == "train.batch_size":
-        probe = config_mod.load(bench._args(workload, strategy, "probe", [], warmup=1, steps=1))
-        multi = _multi_process(strategy)
+        probe = config_mod.load(bench.run_args(workload, strategy, "probe", [], warmup=1, steps=1))
+        multi = multi_process(strategy)
         ranks = (int(probe.strategy.nprocs) or bench.cuda or 1) if multi else 1
         g, minimum = batch_rule(multi_process=multi, ranks=ranks, cards=bench.cuda or 1,
                                 accum=int(probe.train.accum_steps),

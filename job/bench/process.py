@@ -13,17 +13,17 @@ import subprocess
 GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def _plain_env() -> dict[str, str]:
+def plain_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in GROUP_VARS}
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _error_line(text: str) -> str:
+def error_line(text: str) -> str:
     """The line that says why a run failed: `error: ...`, else the exception line, else the last line."""
     lines = [x.strip() for x in text.splitlines() if x.strip()]
     for line in reversed(lines):
@@ -36,7 +36,7 @@ def _error_line(text: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def _wait_or_kill(p: subprocess.Popen, timeout_s: float) -> None:
+def wait_or_kill(p: subprocess.Popen, timeout_s: float) -> None:
     """Wait up to `timeout_s` for `p` to end, else SIGKILL its session (it was started in one) and reap it."""
     try:
         p.wait(timeout=timeout_s)

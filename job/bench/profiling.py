@@ -6,6 +6,7 @@ Chrome trace.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 import logging
@@ -19,8 +20,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from job import config as config_mod
+from job import phases as job_phases
 from job.bench.results import workload_result
-from job.bench.settings import _multi_process
+from job.bench.settings import multi_process
 from job.bench.table import _grid
 from job.errors import EXIT_OK, EXIT_USAGE, UsageError
 
@@ -28,14 +30,16 @@ if TYPE_CHECKING:
     from job.bench.runner import Bench
 
 PROFILE_ENV = "JOB_BENCH_PROFILE_OUT"
-# Phases in display order: (name, depth). "forward" and below exist where the strategy has them
-# (dp on several GPUs: DataParallel's scatter/replicate/parallel_apply/gather).
+# Phases in display order: (name, depth), as job.phases marks them. "forward" and below exist where the
+# strategy has them (dp on several GPUs: DataParallel's scatter/replicate/parallel_apply/gather).
 PHASES = (("data", 0), ("forward+loss", 0), ("forward", 1), ("scatter", 2), ("replicate", 2),
           ("parallel_apply", 2), ("gather", 2), ("loss", 1), ("backward", 0), ("optimizer", 0))
 
 
 class _Phases:
-    """Wall time per phase, each phase between device syncs (so its GPU work is inside it), while on."""
+    """A job.phases listener: wall time per phase, each phase between device syncs (so its GPU work is
+    inside it) and named in the torch.profiler trace, while on; marks from other threads (the replicas'
+    threads of dp and balanced) are not timed."""
 
     def __init__(self, devices):
         self.devices = [d for d in devices if d.type == "cuda"]
@@ -49,27 +53,22 @@ class _Phases:
         for d in self.devices:
             torch.cuda.synchronize(d)
 
-    def wrap(self, name: str, fn):
+    @contextlib.contextmanager
+    def _timed(self, name: str):
         from torch.profiler import record_function
 
-        def timed(*args, **kwargs):
-            if not self.on or threading.current_thread() is not threading.main_thread():
-                return fn(*args, **kwargs)
-            self.sync()
-            t = time.perf_counter()
-            with record_function(f"bench.{name}"):
-                out = fn(*args, **kwargs)
-            self.sync()
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
-            self.calls[name] = self.calls.get(name, 0) + 1
-            return out
+        self.sync()
+        t = time.perf_counter()
+        with record_function(f"bench.{name}"):
+            yield
+        self.sync()
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t
+        self.calls[name] = self.calls.get(name, 0) + 1
 
-        return timed
-
-    def wrap_iter(self, name: str, it):
-        nxt = self.wrap(name, lambda: next(it))
-        while True:
-            yield nxt()
+    def phase(self, name: str):
+        if not self.on or threading.current_thread() is not threading.main_thread():
+            return contextlib.nullcontext()
+        return self._timed(name)
 
 
 def _ms(event, *names: str) -> float:
@@ -83,8 +82,6 @@ def _ms(event, *names: str) -> float:
 def profile_step(cfg, out: Path) -> dict[str, Any]:
     """Train cfg.train.steps steps; profile the steps after cfg.train.timing_warmup; write out.{txt,json}
     and the trace (out.trace.json.gz). Single-process strategies only."""
-    import torch
-    from torch import nn
     from torch.profiler import ProfilerActivity, profile
 
     from job import launch
@@ -92,45 +89,27 @@ def profile_step(cfg, out: Path) -> dict[str, Any]:
 
     warm, last = int(cfg.train.timing_warmup), int(cfg.train.steps)
     trainer = Trainer(cfg, launch.DistEnv(0, 1, 0))
-    backward = torch.Tensor.backward
+    phases = _Phases(trainer.devices)
+    cuda = trainer.device.type == "cuda"
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    clock: dict[str, float] = {}
+
+    def window(step: int) -> None:  # the trainer's step hook: profile the steps after `warm`
+        if step == warm:
+            phases.sync()
+            prof.start()
+            phases.on, clock["t0"] = True, time.perf_counter()
+        elif phases.on and step == last:
+            phases.sync()
+            clock["t1"] = time.perf_counter()
+            phases.on = False
+            prof.stop()
+
+    trainer.step_hooks.append(window)
     try:
-        phases = _Phases(trainer.devices)
-        cuda = trainer.device.type == "cuda"
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        prof = profile(activities=activities)
-        s = trainer.strategy
-        # Instrument the instances (and Tensor.backward, in this process only): the trainer's loop runs as is.
-        s.loss = phases.wrap("forward+loss", s.loss)
-        if s.loss_fn is not None:
-            s.loss_fn = phases.wrap("loss", s.loss_fn)
-        fwd = getattr(s, "forward", None)
-        if isinstance(fwd, nn.DataParallel):
-            for name in ("scatter", "replicate", "parallel_apply", "gather"):
-                setattr(fwd, name, phases.wrap(name, getattr(fwd, name)))
-        if fwd is not None:
-            s.forward = phases.wrap("forward", fwd)
-        trainer.optimizer.step = phases.wrap("optimizer", trainer.optimizer.step)
-        trainer.batches = phases.wrap_iter("data", trainer.batches)
-        torch.Tensor.backward = phases.wrap("backward", backward)
-        clock: dict[str, float] = {}
-        on_step_end = s.on_step_end
-
-        def hook(step: int) -> None:
-            on_step_end(step)
-            if step == warm:
-                phases.sync()
-                prof.start()
-                phases.on, clock["t0"] = True, time.perf_counter()
-            elif phases.on and step == last:
-                phases.sync()
-                clock["t1"] = time.perf_counter()
-                phases.on = False
-                prof.stop()
-
-        s.on_step_end = hook
-        trainer.fit()
+        with job_phases.listening(phases):
+            trainer.fit()
     finally:
-        torch.Tensor.backward = backward
         trainer.close()
     if "t1" not in clock:
         raise RuntimeError(f"the profiled window (steps {warm + 1}-{last}) did not run")
@@ -191,7 +170,7 @@ def profile_main(argv: list[str]) -> int:
         if not out:
             raise UsageError(f"{PROFILE_ENV} is not set; run `python -m job bench bench.mode=profile` instead")
         cfg = config_mod.load(argv)
-        if _multi_process(cfg.strategy.name):
+        if multi_process(cfg.strategy.name):
             raise UsageError(f"the profile runs one process; strategy {cfg.strategy.name} runs one per card")
         doc = profile_step(cfg, Path(out))
     except UsageError as e:
@@ -218,5 +197,5 @@ def profile_workload(bench: Bench, workload: str) -> dict[str, Any]:
             try:
                 profiles.append(json.loads(out.with_suffix(".json").read_text()))
             except (OSError, ValueError) as e:
-                bench._fail(row, f"the profile finished but {out.with_suffix('.json')} cannot be read: {e}")
+                bench.fail(row, f"the profile finished but {out.with_suffix('.json')} cannot be read: {e}")
     return workload_result(workload, ref_cfg, cards=bench.cards, runs=runs, profiles=profiles)

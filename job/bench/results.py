@@ -172,7 +172,7 @@ RESULT_SCHEMA = {
 }
 
 
-def _card_key(c: dict) -> tuple:
+def card_key(c: dict) -> tuple:
     return (c["rank"], c["device"])
 
 

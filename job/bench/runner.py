@@ -32,10 +32,10 @@ from job.bench.chart import write_chart
 from job.bench.compare import bench_workload
 from job.bench.environment import environment
 from job.bench.maxbatch import maxbatch_workload
-from job.bench.process import GROUP_VARS, _error_line, _plain_env, _wait_or_kill
+from job.bench.process import GROUP_VARS, error_line, plain_env, wait_or_kill
 from job.bench.profiling import profile_workload
 from job.bench.results import CARD_SCHEMA, SCHEMA_ID, empty_run
-from job.bench.settings import _check, _nest, _strategy_arg, user_overrides
+from job.bench.settings import check_settings, nest, strategy_arg, user_overrides
 from job.bench.table import table
 from job.bench.tenant import Tenant
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
@@ -86,7 +86,7 @@ class Bench:
 
     def __init__(self, cfg, workload: str | None = None):
         self.cfg, self.b = cfg, cfg.bench
-        _check(self.b)
+        check_settings(self.b)
         preset = workload or cfg.workload.name  # the preset the command line picked, or the config's workload
         self.overrides = user_overrides(cfg, preset)
         self.cuda = self._cuda_count()
@@ -129,9 +129,9 @@ class Bench:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
     # -- building the command of one run ----------------------------------------------------
-    def _args(self, workload: str, strategy: str, run_id: str, extra: list[str], *, warmup: int,
+    def run_args(self, workload: str, strategy: str, run_id: str, extra: list[str], *, warmup: int,
               steps: int, overrides: Path | None = None) -> list[str]:
-        args = ["--config", str(overrides or self.out / "overrides.yaml"), f"workload={workload}", _strategy_arg(strategy),
+        args = ["--config", str(overrides or self.out / "overrides.yaml"), f"workload={workload}", strategy_arg(strategy),
                 f"train.steps={warmup + steps}", f"train.timing_warmup={warmup}",
                 f"train.log_every={warmup}", "train.checkpoint_every=0", "train.final_checkpoint=false",
                 "train.resume=overwrite",
@@ -141,7 +141,7 @@ class Bench:
             args.append(f"strategy.nprocs={self.b.cpu_procs}")
         return args + extra
 
-    def _first_card(self) -> str:
+    def first_card(self) -> str:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible is not None:
             from job.devices import parse_visible
@@ -168,7 +168,7 @@ class Bench:
         warmup = self.b.warmup if warmup is None else warmup
         steps = self.b.steps if steps is None else steps
         run_id = run_id or f"{workload}-{name}"
-        args = self._args(workload, strategy, run_id, list(extra), warmup=warmup, steps=steps)
+        args = self.run_args(workload, strategy, run_id, list(extra), warmup=warmup, steps=steps)
         try:
             child_cfg = config_mod.load(args)  # the run would refuse it: say why now, spend nothing
         except UsageError as e:
@@ -194,7 +194,7 @@ class Bench:
         with open(log_path, "w") as logf:
             self.child = subprocess.Popen(
                 cmd, cwd=os.getcwd(), stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**_plain_env(), **(env or {}), "PYTHONUNBUFFERED": "1"},
+                env={**plain_env(), **(env or {}), "PYTHONUNBUFFERED": "1"},
             )
             if scrape_port is not None:
                 scraper = _Scraper(f"http://127.0.0.1:{scrape_port}/metrics", self.b.scrape_interval_s)
@@ -217,21 +217,21 @@ class Bench:
             row["status"], row["reason"] = "interrupted", "the benchmark was interrupted during this run"
             return row
         if timed_out:
-            return self._fail(row, f"timed out after {limit / 60:g} min", count_failure)
+            return self.fail(row, f"timed out after {limit / 60:g} min", count_failure)
         if code != EXIT_OK:
-            return self._fail(row, _error_line(log_path.read_text(errors="replace")), count_failure)
+            return self.fail(row, error_line(log_path.read_text(errors="replace")), count_failure)
         if module == "job.bench":
             row["status"] = "ok"
             return row
         try:
             self._read_results(row, run_dir, child_cfg, warmup=warmup, steps=steps)
         except (OSError, ValueError, KeyError) as e:
-            return self._fail(row, f"run finished but its results cannot be read: {e}", count_failure)
+            return self.fail(row, f"run finished but its results cannot be read: {e}", count_failure)
         row["status"] = "ok"
         log.info("bench: %-22s ok: %s samples/s", name, f"{row['samples_per_s']:,.1f}")
         return row
 
-    def _fail(self, row: dict, reason: str, count: bool = True) -> dict:
+    def fail(self, row: dict, reason: str, count: bool = True) -> dict:
         row["status"], row["reason"] = "failed", reason
         if count:
             self.failed += 1
@@ -247,7 +247,7 @@ class Bench:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(p.pid, signal.SIGTERM)
-        _wait_or_kill(p, 30)
+        wait_or_kill(p, 30)
 
     def _read_results(self, row: dict, run_dir: Path, child_cfg, *, warmup: int, steps: int) -> None:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -280,7 +280,7 @@ class Bench:
         for w in self.workloads:
             for name in self.b.strategies:
                 try:
-                    config_mod.load(self._args(w, name, "check", [], warmup=self.b.warmup, steps=self.b.steps,
+                    config_mod.load(self.run_args(w, name, "check", [], warmup=self.b.warmup, steps=self.b.steps,
                                                overrides=overrides))
                 except UsageError as e:
                     reasons.append(f"{name}: {e}")
@@ -291,7 +291,7 @@ class Bench:
         from omegaconf import OmegaConf
 
         overrides_yaml = ("# What the bench command line / --config changed; passed to every run as --config.\n"
-                          + OmegaConf.to_yaml(OmegaConf.create(_nest(self.overrides))))
+                          + OmegaConf.to_yaml(OmegaConf.create(nest(self.overrides))))
         with tempfile.TemporaryDirectory() as tmp:  # refuse a bad workload or override before anything starts
             (Path(tmp) / "overrides.yaml").write_text(overrides_yaml)
             for w in self.workloads:
@@ -330,7 +330,7 @@ class Bench:
             "schema": SCHEMA_ID, "mode": b.mode, "device": self.device, "cards": self.cards,
             "settings": {"steps": b.steps, "warmup": b.warmup, "repeats": b.repeats, "strategies": list(b.strategies),
                          "workloads": self.workloads, "baseline": b.baseline, "cpu_procs": b.cpu_procs,
-                         "overrides": _nest(self.overrides), "out": str(self.out), "imagefolder": bool(b.imagefolder),
+                         "overrides": nest(self.overrides), "out": str(self.out), "imagefolder": bool(b.imagefolder),
                          "tokens": bool(b.tokens), "reference": bool(b.reference),
                          "maxbatch": {"key": b.maxbatch_key, "start": b.maxbatch_start, "steps": b.maxbatch_steps,
                                       "trials": b.maxbatch_trials, "minutes": float(b.maxbatch_minutes),

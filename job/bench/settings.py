@@ -1,7 +1,7 @@
 """The bench's settings: bench.* checked before anything runs, and what every run is given besides.
 
 Every trainer run gets the user's overrides (`user_overrides`: what the command line and --config changed
-against the workload's preset), the strategy as a preset or a registered name (`_strategy_arg`), and the
+against the workload's preset), the strategy as a preset or a registered name (`strategy_arg`), and the
 bench's own keys (BENCH_KEYS, set by job.bench.runner). A setting out of range, an unknown strategy or
 workload is refused here (UsageError: exit 2).
 """
@@ -51,7 +51,7 @@ def user_overrides(cfg, preset: str | None = None) -> dict[str, Any]:
             if ref.get(k) != v and not k.startswith("bench.") and k not in BENCH_KEYS + PICK_KEYS}
 
 
-def _nest(flat: dict[str, Any]) -> dict[str, Any]:
+def nest(flat: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in flat.items():
         node = out
@@ -62,11 +62,11 @@ def _nest(flat: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _strategy_arg(name: str) -> str:
+def strategy_arg(name: str) -> str:
     return f"strategy={name}" if name in config_mod.preset_names("strategy") else f"strategy.name={name}"
 
 
-def _registered_name(name: str) -> str:
+def registered_name(name: str) -> str:
     """The registry name a strategy preset selects (the preset's strategy.name; else the name itself)."""
     path = config_mod.CONF_DIR / "strategy" / f"{name}.yaml"
     if path.is_file():
@@ -83,7 +83,7 @@ def _unknown_strategy(name: str, key: str) -> str | None:
     from job.strategies import REGISTRY
 
     presets = config_mod.preset_names("strategy")
-    real = _registered_name(name)
+    real = registered_name(name)
     if real in REGISTRY:
         return None
     choices = ", ".join(sorted(set(presets) | set(REGISTRY)))
@@ -93,13 +93,13 @@ def _unknown_strategy(name: str, key: str) -> str | None:
     return f"unknown strategy `{name}` in {key}; choose from: {choices}"
 
 
-def _multi_process(name: str) -> bool:
+def multi_process(name: str) -> bool:
     from job.strategies import REGISTRY
 
-    return REGISTRY[_registered_name(name)].multi_process
+    return REGISTRY[registered_name(name)].multi_process
 
 
-def _check(b) -> None:
+def check_settings(b) -> None:
     if b.warmup < 1:
         raise UsageError(f"bench.warmup={b.warmup} must be at least 1: the first steps include CUDA/cuDNN "
                          "start-up and must not be timed")
@@ -138,7 +138,7 @@ def _check(b) -> None:
         if why:
             raise UsageError(why)
     if b.mode == "profile":
-        multi = [s for s in b.strategies if _multi_process(s)]
+        multi = [s for s in b.strategies if multi_process(s)]
         if multi:
             raise UsageError(f"bench.mode=profile profiles one process; {', '.join(multi)} runs one process per "
                              "card: profile a single-process strategy, e.g. strategies=[dp]")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from job.bench.environment import versions
-from job.bench.results import _card_key
-from job.bench.settings import MAXBATCH_KEYS, _registered_name
+from job.bench.results import card_key
+from job.bench.settings import MAXBATCH_KEYS, registered_name
 from job.breakdown import HEADS, KINDS
 
 MB = 1024 * 1024  # MB in tables means MiB, as in the trainer's table (job/report.py)
@@ -66,7 +66,7 @@ def table(doc: dict, w: dict) -> str:
                    f"{r['scaling_vs_1']:.1%}" if r["scaling_vs_1"] is not None else "-")
         status = r["status"] + ("" if r["same_window"] else f" (peaks over steps {r['peak_window']}: not the timed steps)")
         body.append([
-            r["name"], "none (plain loop)" if r["kind"] == "reference" else _registered_name(r["strategy"]), r["data"], f"{r['world_size']}/{r['units']}" if ok else "-",
+            r["name"], "none (plain loop)" if r["kind"] == "reference" else registered_name(r["strategy"]), r["data"], f"{r['world_size']}/{r['units']}" if ok else "-",
             cards("peak_allocated_bytes"), cards("peak_reserved_bytes"), cards("nvml_used_bytes"),
             _fmt(r["imbalance"], 1, ".2f", "x"),
             _fmt(r["units_per_s"]), scaling, status,
@@ -125,7 +125,7 @@ def _maxbatch_table(doc: dict, w: dict) -> str:
             "peak reserved MB", "NVML used MB", unit, "trials", "note"]
     body = []
     for r in w["maxbatch"]:
-        cards = sorted(r["cards"], key=_card_key)
+        cards = sorted(r["cards"], key=card_key)
 
         def col(key: str, cards=cards) -> str:
             if not cards:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 
-from job.bench.process import _error_line, _plain_env, _wait_or_kill
+from job.bench.process import error_line, plain_env, wait_or_kill
 from job.errors import UsageError
 
 log = logging.getLogger("job")
@@ -41,7 +41,7 @@ class Tenant:
         nbytes = int(self.gb * GB)
         self.proc = subprocess.Popen([sys.executable, "-c", _TENANT_CODE, str(nbytes), self.device],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, start_new_session=True, env=_plain_env())
+                                     text=True, start_new_session=True, env=plain_env())
         line: list[str] = []
         reader = threading.Thread(target=lambda: line.append(self.proc.stdout.readline()), daemon=True)
         reader.start()
@@ -49,7 +49,7 @@ class Tenant:
         if not line or line[0].strip() != "ready":
             self.stop()
             err = self.proc.stderr.read() if self.proc.stderr else ""
-            why = _error_line(err) if err.strip() else f"not ready within {self.timeout_s:g} s"
+            why = error_line(err) if err.strip() else f"not ready within {self.timeout_s:g} s"
             raise UsageError(f"bench.tenant_gb={self.gb:g}: the tenant could not hold {self.gb:g} GB on "
                              f"{self.device} ({why}); lower bench.tenant_gb")
         log.info("bench: tenant process %d holds %g GB on %s until the bench ends", self.proc.pid, self.gb,
@@ -66,4 +66,4 @@ class Tenant:
             return
         with contextlib.suppress(OSError):
             p.stdin.close()
-        _wait_or_kill(p, 10)
+        wait_or_kill(p, 10)

@@ -33,7 +33,7 @@ import logging
 import torch
 from torch import nn
 
-from job import memplan
+from job import memplan, phases
 from job.errors import UsageError
 from job.strategies import comm, graphs
 from job.strategies.base import Strategy, optimizer_state_tensors, parse_gpu0, parse_mode, split_sizes
@@ -193,7 +193,10 @@ class BalancedStrategy(Strategy):
                     return graph.run(xk, yk)
             ctx = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
             with ctx, torch.set_grad_enabled(grad), torch.autocast(dev.type, dtype=dtype, enabled=enabled):
-                return self.loss_fn(self.replicas[k](xk), yk, reduction="sum")
+                with phases.mark("forward"):
+                    out = self.replicas[k](xk)
+                with phases.mark("loss"):
+                    return self.loss_fn(out, yk, reduction="sum")
 
         # Graphed steps need the gradients in buckets even on one card: autograd adds the graph's gradients
         # into them (a gradient it could take over would be the graph's own buffer, overwritten next step).

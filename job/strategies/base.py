@@ -8,7 +8,7 @@ import logging
 import torch
 from torch import nn
 
-from job import memplan
+from job import memplan, phases
 from job.errors import UsageError
 
 log = logging.getLogger("job")
@@ -117,7 +117,10 @@ class Strategy:
 
     def loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """Mean loss over this micro-batch (over all ranks' samples, after the gradient reduce)."""
-        return self.loss_fn(self.forward(x), y)
+        with phases.mark("forward"):
+            out = self.forward(x)
+        with phases.mark("loss"):
+            return self.loss_fn(out, y)
 
     def backward_sync(self, enabled: bool):
         """Context for one micro-step's forward/backward; enabled=False may skip gradient sync."""

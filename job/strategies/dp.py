@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from job import phases
 from job.strategies.base import Strategy, check_at_least_one_per_card, disable_cudnn_autotune
 
 
@@ -43,6 +44,23 @@ class _DataParallel(nn.DataParallel):
     def forward(self, *inputs, **kwargs):
         self.module.amp = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
         return super().forward(*inputs, **kwargs)
+
+    # Its four parts, marked for bench.mode=profile (job.phases).
+    def scatter(self, *args, **kwargs):
+        with phases.mark("scatter"):
+            return super().scatter(*args, **kwargs)
+
+    def replicate(self, *args, **kwargs):
+        with phases.mark("replicate"):
+            return super().replicate(*args, **kwargs)
+
+    def parallel_apply(self, *args, **kwargs):
+        with phases.mark("parallel_apply"):
+            return super().parallel_apply(*args, **kwargs)
+
+    def gather(self, *args, **kwargs):
+        with phases.mark("gather"):
+            return super().gather(*args, **kwargs)
 
 
 class _ReplicaAutocast(nn.Module):
