@@ -495,87 +495,24 @@ class Trainer:
         return EXIT_OK
 
     def _loop(self) -> bool:
+        """Train to train.steps, or until a rank is stopped (SIGTERM/SIGUSR1, a loss that is not finite): True
+        when stopped early. One step: the arithmetic (`_step`), the window's bookkeeping, a log line (and
+        validation) when due, telemetry, a periodic checkpoint when due, and the stop vote."""
         t = self.cfg.train
-        amp_dtype = _AMP.get(t.amp)
-        log_every = t.log_every
-        card_every = self.cfg.telemetry.log_every or t.log_every
-        samples_per_step = t.batch_size
+        window = _Window(self, warmup=t.timing_warmup)
         rank_samples = self.strategy.share(self.micro_batch)[1] * t.accum_steps
-        # The plan's check: peaks of steps 2-3 (the first step allocates and autotunes once), when the
-        # timed window (below) starts later; else, and in a one-step run, of every step.
-        plan_reset, plan_check = self.step + 1, self.step + 3
-        warm = t.timing_warmup if t.timing_warmup >= 0 else min(10, max(1, (t.steps - self.step) // 10))
-        warm_step = self.step + warm
-        # Peaks are reported over the steps after `self.peaks_from`: from here (not the memory plan's probes
-        # or the model's build), then over the timed steps, the same window for every strategy. A run whose
-        # steps are all warm-up keeps its peaks of every step and has no throughput.
-        self._restart_peaks()
-        if warm == 0:
-            self.clock.start(self.step)
-        window_start, window_steps = time.perf_counter(), 0
-        loss_sum = self._loss_sum
-        last_loss = float("nan")
+        self._logged_at, self._logged_step, self._last_loss = time.perf_counter(), self.step, float("nan")
         while self.step < t.steps:
             step_start = time.perf_counter()
-            poison = self._faults and failure.inject(self._faults, rank=self.env.rank, step=self.step + 1)
-            self._set_lr()
-            self.optimizer.zero_grad(set_to_none=True)
-            for micro in range(t.accum_steps):
-                with phases.mark("data"):
-                    x, y = next(self.batches)
-                with self.strategy.backward_sync(micro == t.accum_steps - 1):
-                    with torch.autocast(self.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                        with phases.mark("forward+loss"):
-                            loss = self.strategy.loss(x, y)
-                        if poison:
-                            loss = loss * float("nan")
-                    with phases.mark("backward"):
-                        self.scaler.scale(loss / t.accum_steps).backward()
-                loss_sum += loss.detach() / t.accum_steps
-            if t.grad_clip:
-                self.scaler.unscale_(self.optimizer)
-                self.strategy.clip_grad_norm(t.grad_clip)
-            with phases.mark("optimizer"):
-                self.scaler.step(self.optimizer)
-            self.scaler.update()
-            self.step += 1
-            self.strategy.on_step_end(self.step)
-            for hook in self.step_hooks:
-                hook(self.step)
-            self.sample_position += t.batch_size
-            window_steps += 1
-            if self.step == plan_reset and warm and self.step < t.steps:
-                self._restart_peaks()
-            if self.step == plan_check or (self.step == t.steps and self.step < plan_check):
-                with self.clock.paused():
-                    self._check_plan()
-
-            if warm and self.step == warm_step and self.step < t.steps:
-                self._sync()
-                self._restart_peaks()
-                self.clock.start(self.step)
-            if self.step == t.steps:
-                self._sync()
-                self.clock.stop(self.step)
+            self._step(poison=self._faults and failure.inject(self._faults, rank=self.env.rank, step=self.step + 1))
+            window.after_step(self.step)
             # Not finite: known for free on CPU, and after a device sync (log steps) on GPUs; every save
             # checks again with all ranks before writing.
-            bad = self.device.type == "cpu" and not math.isfinite(loss_sum.item())
-            evaluating = self.evaluator.due(self.step)
-            if self.step % log_every == 0 or self.step == t.steps or evaluating:
-                self._sync()
-                now = time.perf_counter()
-                with self.clock.paused():
-                    last_loss = self.strategy.mean(loss_sum.item() / window_steps)
-                    bad = bad or not math.isfinite(last_loss)
-                    rate = window_steps * samples_per_step / (now - window_start)
-                    val = self.evaluator.run(self.step) if evaluating else None  # weights and RNG left as they were
-                    self._log_step(last_loss, rate, cards=self.step % card_every == 0 or self.step == t.steps,
-                                   val=val)
-                loss_sum.zero_()
-                window_start, window_steps = time.perf_counter(), 0
+            bad = self.device.type == "cpu" and not math.isfinite(self._loss_sum.item())
+            bad = self._log_if_due() or bad
             self._bad_loss = self._bad_loss or bad
             if self.telemetry is not None:  # samples this rank trained on, so a sum over ranks is right
-                self.telemetry.observe_step(time.perf_counter() - step_start, rank_samples, last_loss)
+                self.telemetry.observe_step(time.perf_counter() - step_start, rank_samples, self._last_loss)
             if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.steps:
                 self._sync()
                 with self.clock.paused():
@@ -587,6 +524,57 @@ class Trainer:
             if self.strategy.any(_stop.is_set() or bad):
                 return self.step < t.steps
         return False
+
+    def _step(self, *, poison: bool) -> None:
+        """One optimizer step over train.accum_steps micro-batches (`poison`: a fault test's NaN loss); the loss
+        is added to the sum since the last log line, and the step hooks are called."""
+        t = self.cfg.train
+        amp_dtype = _AMP.get(t.amp)
+        self._set_lr()
+        self.optimizer.zero_grad(set_to_none=True)
+        for micro in range(t.accum_steps):
+            with phases.mark("data"):
+                x, y = next(self.batches)
+            with self.strategy.backward_sync(micro == t.accum_steps - 1):
+                with torch.autocast(self.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                    with phases.mark("forward+loss"):
+                        loss = self.strategy.loss(x, y)
+                    if poison:
+                        loss = loss * float("nan")
+                with phases.mark("backward"):
+                    self.scaler.scale(loss / t.accum_steps).backward()
+            self._loss_sum += loss.detach() / t.accum_steps
+        if t.grad_clip:
+            self.scaler.unscale_(self.optimizer)
+            self.strategy.clip_grad_norm(t.grad_clip)
+        with phases.mark("optimizer"):
+            self.scaler.step(self.optimizer)
+        self.scaler.update()
+        self.step += 1
+        self.strategy.on_step_end(self.step)
+        self.sample_position += t.batch_size
+        for hook in self.step_hooks:
+            hook(self.step)
+
+    def _log_if_due(self) -> bool:
+        """At a log step (train.log_every, the last step, an evaluation): the mean loss over the ranks since the
+        last line, the throughput, validation when due, the log line; True when that loss is not finite."""
+        t = self.cfg.train
+        evaluating = self.evaluator.due(self.step)
+        if not (self.step % t.log_every == 0 or self.step == t.steps or evaluating):
+            return False
+        self._sync()
+        now = time.perf_counter()
+        with self.clock.paused():
+            steps = self.step - self._logged_step
+            self._last_loss = self.strategy.mean(self._loss_sum.item() / steps)
+            rate = steps * t.batch_size / (now - self._logged_at)
+            val = self.evaluator.run(self.step) if evaluating else None  # weights and RNG left as they were
+            card_every = self.cfg.telemetry.log_every or t.log_every
+            self._log_step(self._last_loss, rate, cards=self.step % card_every == 0 or self.step == t.steps, val=val)
+        self._loss_sum.zero_()
+        self._logged_at, self._logged_step = time.perf_counter(), self.step
+        return not math.isfinite(self._last_loss)
 
     def _set_lr(self) -> None:
         t = self.cfg.train
@@ -736,6 +724,41 @@ class Trainer:
         del self.model, self.optimizer, self.batches
         gc.collect()
         launch.destroy_group()
+
+
+class _Window:
+    """The measured window of a run, decided step by step: where the per-card peaks restart, when the memory
+    plan is checked, when the throughput clock starts and stops (what `after_step` does, each on its step).
+
+    Peaks are reported over the steps after `trainer.peaks_from`: from the loop's start (not the memory plan's
+    probes or the model's build), then over the timed steps, the same window for every strategy. The plan's
+    check reads the peaks of steps 2-3 (the first step allocates and autotunes once) when the timed window
+    starts later; else, and in a one-step run, of every step. A run whose steps are all warm-up keeps its
+    peaks of every step and has no throughput."""
+
+    def __init__(self, trainer: Trainer, *, warmup: int):
+        self.tr, first, last = trainer, trainer.step, trainer.cfg.train.steps
+        self.last = last
+        self.warm = warmup if warmup >= 0 else min(10, max(1, (last - first) // 10))
+        self.plan_reset, self.plan_check, self.warm_step = first + 1, first + 3, first + self.warm
+        trainer._restart_peaks()
+        if self.warm == 0:
+            trainer.clock.start(first)
+
+    def after_step(self, step: int) -> None:
+        tr = self.tr
+        if step == self.plan_reset and self.warm and step < self.last:
+            tr._restart_peaks()
+        if step == self.plan_check or (step == self.last and step < self.plan_check):
+            with tr.clock.paused():
+                tr._check_plan()
+        if self.warm and step == self.warm_step and step < self.last:
+            tr._sync()
+            tr._restart_peaks()
+            tr.clock.start(step)
+        if step == self.last:
+            tr._sync()
+            tr.clock.stop(step)
 
 
 class _Clock:
