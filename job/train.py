@@ -191,10 +191,13 @@ class Trainer:
 
         # Every rank needs the same run id: rank 0's wins.
         run_id = t.run_id or _new_run_id(cfg)
-        self.run_id = self.strategy.all_gather_object(run_id)[0]
+        self.run_id = self._from_rank0(run_id)
         cfg.train.run_id = self.run_id
         self.run_dir = Path(t.run_dir) / self.run_id
         self.ckpt_dir = self.run_dir / "checkpoints"
+        # Rank 0's handle on the run directory; nothing on disk yet (_startup_checks takes its lock, and only
+        # start-up that passes every check writes into it).
+        self.rundir = rundir.RunDir(self.run_dir) if self.is_main else None
 
         if self.device.type == "cuda":
             torch.backends.cudnn.benchmark = t.cudnn_benchmark
@@ -344,6 +347,19 @@ class Trainer:
             ) from None
         return tel
 
+    # -- rank 0 decides -----------------------------------------------------------------------------
+    def _from_rank0(self, value):
+        """Rank 0's `value` on every rank (one all-gather, which every rank must reach; the others' values
+        are not used)."""
+        return self.strategy.all_gather_object(value)[0]
+
+    def _refuse_on_every_rank(self, error: str | None) -> None:
+        """Rank 0's refusal (from `_from_rank0`), or None: every rank stops with it, printed once (rank 0 raises
+        UsageError, the others PeerUsageError). Every rank is here, so the group closes cleanly, no abort."""
+        if error:
+            launch.destroy_group()
+            raise (UsageError if self.is_main else PeerUsageError)(error)
+
     def _check_host_memory(self) -> None:
         """Before a CPU run builds its model: refuse in one line, on every rank, a model whose weights,
         gradients and optimizer state alone exceed the host memory available (counted on the meta device,
@@ -358,17 +374,13 @@ class Trainer:
                 params=params, optimizer=c.train.optimizer, momentum=c.train.momentum, procs=hosts.count(hosts[0]),
                 shards=self.env.world_size if c.strategy.name == "fsdp" else 1,
                 available=memplan.available_host_bytes())
-        error = self.strategy.all_gather_object(error)[0]
-        if error:
-            launch.destroy_group()  # every rank is here: a clean exit, not an abort
-            raise (UsageError if self.is_main else PeerUsageError)(error)
+        self._refuse_on_every_rank(self._from_rank0(error))
 
     def _startup_checks(self) -> tuple[dict | None, Path | None]:
         """Rank 0 takes the run's lock, picks the checkpoint to resume and checks it and the data; every
         rank gets its verdict: one refusal printed once, and the same checkpoint loaded everywhere (ranks
         searching on their own could pick different ones). Nothing is written here: a refused command
         leaves an existing run as it was."""
-        self.rundir = rundir.RunDir(self.run_dir) if self.is_main else None
         state, verdict = None, {"error": None, "path": None}
         if self.is_main:
             try:
@@ -384,10 +396,8 @@ class Trainer:
             except UsageError as e:
                 verdict["error"] = str(e)
                 self.rundir.refused()
-        verdict = self.strategy.all_gather_object(verdict)[0]
-        if verdict["error"]:
-            launch.destroy_group()  # every rank is here: a clean exit, not an abort
-            raise (UsageError if self.is_main else PeerUsageError)(verdict["error"])
+        verdict = self._from_rank0(verdict)
+        self._refuse_on_every_rank(verdict["error"])
         path = Path(verdict["path"]) if verdict["path"] else None
         if path is not None and not self.is_main:
             if not path.is_file():
@@ -642,7 +652,7 @@ class Trainer:
                 log.info("checkpoint %s", path)
             except ckpt.WriteFailed as e:
                 failed = str(e)
-        failed = self.strategy.all_gather_object(failed)[0]  # also the barrier: all ranks wait for the write
+        failed = self._from_rank0(failed)  # also the barrier: all ranks wait for the write
         if failed:
             raise ckpt.WriteFailed(failed)
         self._saved_step = self.step
