@@ -162,6 +162,20 @@ def _cap_memory(cap_gb, picked: list[torch.device], count: int) -> None:
 
 
 class Trainer:
+    """One process's part of a training run (every rank builds one; `fit` trains it).
+
+    Built in this order, each step needing the ones before: the workload and the devices, the process group
+    and the strategy, the run id (rank 0's) and the run directory's handle, the model, the start-up checks
+    (rank 0 takes the run's lock, picks the checkpoint to resume and checks it and the data; every rank gets
+    its verdict), the strategy's wrapping and the optimizer, the resumed state, the memory plan, the batch
+    stream, validation, the timing clock, the memory breakdown and telemetry. Nothing is written to the run
+    directory before `fit` starts: a refused start leaves an existing run as it was.
+
+    `fit` runs `_loop` (one step: `_step`; the measured window: `_Window`; logging and validation:
+    `_log_if_due`; periodic checkpoints: `save_checkpoint`) and writes the summary; `step_hooks` are called
+    with the step number after every optimizer step.
+    """
+
     def __init__(self, cfg, env: launch.DistEnv):
         self.cfg, self.env = cfg, env
         t = cfg.train
