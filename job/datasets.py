@@ -309,6 +309,17 @@ def crop_resize(image, crop: tuple[int, int, int, int, bool], size: int):
     return F.horizontal_flip(out) if flip else out
 
 
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    import logging
+
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logging.getLogger("job").warning("%s", message)
+
+
 class Encoded:
     """One undecoded image: its file's bytes, its crop (ImageFolder.crop_of) and its path (for the error)."""
 
@@ -343,10 +354,13 @@ class EncodedBatch:
         if jpegs:
             try:
                 images = decode_jpeg([it.data for it in jpegs], mode=ImageReadMode.RGB, device=device)
-            except RuntimeError:
+            except RuntimeError as e:
                 # One file nvJPEG cannot read fails the whole call: decode those one at a time on the CPU,
                 # which names a damaged file (and reads the odd JPEG nvJPEG does not support).
                 images = [decode_pixels(it.data.cpu(), it.path).to(device, non_blocking=True) for it in jpegs]
+                _warn_once(f"data.decode=gpu: nvJPEG could not decode a batch ({str(e).strip().splitlines()[0]}); "
+                           "it was decoded on the CPU, as every such batch will be (slower: data.decode=cpu "
+                           "with data.workers decodes in parallel)")
             decoded = {id(it): im for it, im in zip(jpegs, images)}
         out = torch.empty((len(self.items), 3, size, size), dtype=torch.uint8, device=device)
         for i, it in enumerate(self.items):
