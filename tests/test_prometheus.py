@@ -81,7 +81,9 @@ def prometheus(tmp_path):
     procs: list[subprocess.Popen] = []
 
     def start(targets: dict[str, int]) -> None:
-        cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+        # Scrapes 2 s apart with a 2 s timeout: on a loaded 2-core machine a CPU training process sometimes takes
+        # more than 1 s to answer, and with 1 s a rate() over 1m had too few samples to say anything.
+        cfg = {"global": {"scrape_interval": "2s", "scrape_timeout": "2s", "evaluation_interval": "1s"},
                "rule_files": [str(r) for r in RULES],
                "scrape_configs": [{"job_name": job, "static_configs": [{"targets": [f"127.0.0.1:{p}"]}]}
                                   for job, p in targets.items()]}
@@ -154,7 +156,10 @@ def test_prometheus_scrapes_training_run_and_exporter(tmp_path, prometheus):
         (info,) = _poll(api, 'trainjob_info{run="e2e"}', lambda r: len(r) == 1)
         assert info["metric"]["workload"] == "tiny" and info["metric"]["world_size"] == "1"
         _poll(api, 'sum(trainjob_step_seconds_bucket{run="e2e",le="+Inf"}) > 0', lambda r: len(r) == 1)
-        _poll(api, 'run:trainjob_samples:rate1m{run="e2e"} > 0', lambda r: len(r) == 1)
+        try:
+            _poll(api, 'run:trainjob_samples:rate1m{run="e2e"} > 0', lambda r: len(r) == 1, timeout=120)
+        except AssertionError as e:  # say how the scrapes went
+            raise AssertionError(f"{e}; targets: {[(t['labels'], t['health'], t['lastError']) for t in api('targets')['activeTargets']]}") from None
         # the CPU run's memory by kind: its tensors only, as uuid="cpu" (no card, so no ratio of a card); the
         # gradients are 0 when a scrape falls between zero_grad(set_to_none=True) and the backward; SGD keeps one
         # momentum buffer per weight (tiny has no buffers)
