@@ -184,7 +184,11 @@ def test_torchrun_rank_failure_ends_the_job(tmp_path):
     assert end - started < BOUND_S, job.text
     assert rc == 1, job.text  # torchrun reports every failed worker as 1 (docs/failures.md)
     assert len([line for _, line in job.lines if "injected fault" in line]) == 1, job.text
-    assert any(line.startswith("rank 0 (cpu): stopping: rank 1 failed") for _, line in job.lines), job.text
+    # Rank 0 either sees its peer fail and says so, or torchrun (polling every 0.5 s) got there first and
+    # stopped it with SIGTERM (seen within 50 ms of the fault on a loaded machine): either way it says nothing
+    # else, and the failing rank's line above is the one line.
+    said = any(line.startswith("rank 0 (cpu): stopping: rank 1 failed") for _, line in job.lines)
+    assert said or "closing signal SIGTERM" in job.text, job.text
 
 
 # -- Ctrl-C ------------------------------------------------------------------------------------------------
