@@ -129,8 +129,7 @@ class Data:
         items = [wl.call(f"workload `{self.resolved.name}`: dataset[{indices[i % len(indices)]}]", ds.__getitem__,
                          SampleIndex(indices[i % len(indices)], i, self.seed)) for i in range(n)]
         collate, move = _hooks(self.resolved.name, ds, device, channels_last)
-        x, y = _check_pair(self.resolved.name, "dataset items", move(collate(items)), n)
-        return x, y
+        return _check_pair(self.resolved.name, "dataset items", move(collate(items)), n)
 
     # -- the training stream ------------------------------------------------------------------------
     def batches(self, *, micro_batch: int, start: int, offset: int, count: int, device: torch.device,
@@ -310,11 +309,11 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
         first = next(it)
     except StopIteration:
         return iter(())
-    # The first batch now, so a file that does not decode is refused before the run writes anything.
-    if getattr(ds, "to_device", None) is None:  # else the dataset's to_device makes the tensors
+    # The first batch now, so a file that does not decode is refused before the run writes anything. Its pair
+    # is checked here, or by `move` after the dataset's own to_device made the tensors.
+    if getattr(ds, "to_device", None) is None:
         _check_pair(name, "dataset items", first, _rows(first))
     first = move(first)
-    _check_pair(name, "dataset items", first, _rows(first))
     if prefetch and device.type == "cuda":
         return itertools.chain([first], CudaPrefetcher(it, device, move))
     return itertools.chain([first], (move(b) for b in it))

@@ -11,6 +11,7 @@ made of the run's seed and the sample's global id (`SampleIndex.sample_id`), not
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -128,18 +129,26 @@ def _bad(path: str, e: BaseException | str) -> BadImage:
     return BadImage(f"cannot read image {path} ({reason}); fix or remove the file")
 
 
-def load_image(path: str):
-    """A PIL image in RGB (torchvision's default loader), with a decode failure turned into one line naming the
-    file. ImageFolder reads JPEG, PNG, GIF and WebP with torchvision.io; PIL reads the other formats."""
-    from PIL import Image, UnidentifiedImageError
+@contextlib.contextmanager
+def _reading(path: str):
+    """PIL's failures to open `path` as one line naming the file (BadImage)."""
+    from PIL import UnidentifiedImageError
 
     try:
-        with open(path, "rb") as f:
-            return Image.open(f).convert("RGB")
+        yield
     except UnidentifiedImageError:
         raise _bad(path, "not an image format PIL knows, or a damaged header") from None
     except Exception as e:
         raise _bad(path, e) from None
+
+
+def load_image(path: str):
+    """A PIL image in RGB (torchvision's default loader), with a decode failure turned into one line naming the
+    file. ImageFolder reads JPEG, PNG, GIF and WebP with torchvision.io; PIL reads the other formats."""
+    from PIL import Image
+
+    with _reading(path), open(path, "rb") as f:
+        return Image.open(f).convert("RGB")
 
 
 def decode_pixels(data, path: str):
@@ -163,15 +172,10 @@ def image_size_of(data: bytes, path: str) -> tuple[int, int]:
     """(height, width) from the file's header, without decoding it."""
     import io
 
-    from PIL import Image, UnidentifiedImageError
+    from PIL import Image
 
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            w, h = im.size
-    except UnidentifiedImageError:
-        raise _bad(path, "not an image format PIL knows, or a damaged header") from None
-    except Exception as e:
-        raise _bad(path, e) from None
+    with _reading(path), Image.open(io.BytesIO(data)) as im:
+        w, h = im.size
     return h, w
 
 
@@ -267,10 +271,11 @@ class ImageFolder:
                 raw = f.read()
         except OSError as e:
             raise _bad(path, e.strerror or e) from None
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         if self.decode == "gpu" and raw[:3] == JPEG_MAGIC:
             h, w = image_size_of(raw, path)
-            return Encoded(torch.frombuffer(bytearray(raw), dtype=torch.uint8), self.crop_of(index, h, w), path), label
-        image = decode_pixels(torch.frombuffer(bytearray(raw), dtype=torch.uint8), path)
+            return Encoded(data, self.crop_of(index, h, w), path), label
+        image = decode_pixels(data, path)
         return crop_resize(image, self.crop_of(index, image.shape[1], image.shape[2]), self.size), label
 
     def collate(self, items):
@@ -350,7 +355,7 @@ class EncodedBatch:
         from torchvision.io import ImageReadMode, decode_jpeg
 
         jpegs = [it for it in self.items if isinstance(it, Encoded)]
-        decoded = {}
+        images = []
         if jpegs:
             try:
                 images = decode_jpeg([it.data for it in jpegs], mode=ImageReadMode.RGB, device=device)
@@ -361,11 +366,11 @@ class EncodedBatch:
                 _warn_once(f"data.decode=gpu: nvJPEG could not decode a batch ({str(e).strip().splitlines()[0]}); "
                            "it was decoded on the CPU, as every such batch will be (slower: data.decode=cpu "
                            "with data.workers decodes in parallel)")
-            decoded = {id(it): im for it, im in zip(jpegs, images)}
+        decoded = iter(images)  # in the order of the JPEGs among the items
         out = torch.empty((len(self.items), 3, size, size), dtype=torch.uint8, device=device)
         for i, it in enumerate(self.items):
             if isinstance(it, Encoded):
-                out[i] = crop_resize(decoded[id(it)], it.crop, size)
+                out[i] = crop_resize(next(decoded), it.crop, size)
             else:
                 out[i] = it.to(device, non_blocking=True)
         return out

@@ -178,7 +178,9 @@ def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
     label = "1gpu" if bench.cuda else "1proc"
     # (name, kind, strategy, extra args, env), or a row when the plan is refused up front.
     plan: list[tuple] = []
-    if bench.b.baseline not in ("", "none"):
+    baseline = bench.b.baseline not in ("", "none")
+    one_card = {"CUDA_VISIBLE_DEVICES": bench.first_card()} if bench.cuda else {}  # the baseline's and the loop's
+    if baseline:
         if global_batch % n:
             row = empty_run(label, "baseline", bench.b.baseline)
             row["reason"] = (f"global batch {global_batch} is not a multiple of {n} cards, so the 1-card "
@@ -186,15 +188,12 @@ def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
             log.info("bench: %-22s skipped: %s", label, row["reason"])
             plan.append(row)
         else:
-            env = {"CUDA_VISIBLE_DEVICES": bench.first_card()} if bench.cuda else {}
             plan.append((label, "baseline", bench.b.baseline,
-                         [f"train.batch_size={global_batch // n}", "strategy.nprocs=1"], env))
+                         [f"train.batch_size={global_batch // n}", "strategy.nprocs=1"], one_card))
     if bench.b.reference:
-        env = {"CUDA_VISIBLE_DEVICES": bench.first_card()} if bench.cuda else {}
         # The loop ignores the strategy; the baseline's keeps the command one the trainer accepts.
         # It trains the global batch on one card, as the one-card rows it is compared with do.
-        plan.append(("loop", "reference", bench.b.baseline if bench.b.baseline not in ("", "none") else "ddp",
-                     ["strategy.nprocs=1"], env))
+        plan.append(("loop", "reference", bench.b.baseline if baseline else "ddp", ["strategy.nprocs=1"], one_card))
     for s in bench.b.strategies:
         plan.append((s, "strategy", s, [], {}))
     images = tokens = None

@@ -38,6 +38,18 @@ class DataParallelStrategy(Strategy):
         return [max(0, min(size, micro_batch - k * size)) for k in range(n)]
 
 
+def _marked(name: str):
+    """nn.DataParallel's method `name`, inside phases.mark(name)."""
+    inner = getattr(nn.DataParallel, name)
+
+    def method(self, *args, **kwargs):
+        with phases.mark(name):
+            return inner(self, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
 class _DataParallel(nn.DataParallel):
     """Stock DataParallel; before replicating, it records the caller's autocast (its replicas copy it)."""
 
@@ -46,21 +58,8 @@ class _DataParallel(nn.DataParallel):
         return super().forward(*inputs, **kwargs)
 
     # Its four parts, marked for bench.mode=profile (job.phases).
-    def scatter(self, *args, **kwargs):
-        with phases.mark("scatter"):
-            return super().scatter(*args, **kwargs)
-
-    def replicate(self, *args, **kwargs):
-        with phases.mark("replicate"):
-            return super().replicate(*args, **kwargs)
-
-    def parallel_apply(self, *args, **kwargs):
-        with phases.mark("parallel_apply"):
-            return super().parallel_apply(*args, **kwargs)
-
-    def gather(self, *args, **kwargs):
-        with phases.mark("gather"):
-            return super().gather(*args, **kwargs)
+    scatter, replicate, parallel_apply, gather = (_marked(n) for n in ("scatter", "replicate", "parallel_apply",
+                                                                        "gather"))
 
 
 class _ReplicaAutocast(nn.Module):
