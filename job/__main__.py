@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
 import sys
@@ -76,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.enable(all_threads=True)  # a crash in native code (SIGSEGV, SIGABRT) prints every thread's stack
     code = main()
     if os.environ.get("TRAINJOB_EXIT_DIR"):  # a worker of `python -m job.torchrun`: it reads the code
         from job.torchrun import record_exit

@@ -219,6 +219,8 @@ class Memory:
         self._nvml, self._cuda, self._cards, self._caps = nvml, cuda, cards, caps
         self._allocator = allocator
         self._handles: dict[str, object] = {}
+        self._live: list[dict] = []  # the last `refresh`'s rows, what a scrape serves
+        self._wanted = True  # a scrape has asked since the last refresh
 
     def _card_map(self) -> dict:
         if self._cards is None:
@@ -256,7 +258,7 @@ class Memory:
         """One dict per card this process drives: at the peak (since the last peak reset) or now."""
         import torch
 
-        with torch.no_grad():  # the scrape's thread too: DTensor.to_local records nothing for autograd
+        with torch.no_grad():  # DTensor.to_local records nothing for autograd
             per_card = self.strategy.memory_tensors(self.optimizer)
         seen: set = set()
         tensors = [tensor_bytes(groups, seen) for groups in per_card]
@@ -290,9 +292,28 @@ class Memory:
         mine = self.measure(peak=True)
         return [r for per_rank in self.strategy.all_gather_object(mine) for r in per_rank]
 
-    def live(self) -> list[dict]:
-        """This process's cards now (the exporter's scrape)."""
+    def now(self) -> list[dict]:
+        """This process's cards now; in the thread that trains (see `live`)."""
         return self.measure(peak=False)
+
+    def live(self) -> list[dict]:
+        """This process's cards as of the last `refresh`, for the exporter's scrape (any thread; [] before the
+        first). The tensors are read only by the thread that trains: read from the scrape's thread while
+        backward assigned gradients, `untyped_storage()` crashed the process with SIGSEGV (a CPU run scraped
+        three times at once, within seconds)."""
+        self._wanted = True
+        return self._live
+
+    def refresh(self) -> None:
+        """In the thread that trains, between steps: measure now if a scrape asked since the last time. A
+        failure keeps the previous rows (the breakdown never stops the run)."""
+        if not self._wanted:
+            return
+        self._wanted = False
+        try:
+            self._live = self.now()
+        except Exception as e:
+            log.debug("memory breakdown failed: %s", e)
 
 
 def _row(rank, device, uuid, name, at, kinds, total, others, cap, cap_free, notes) -> dict:

@@ -214,7 +214,7 @@ def test_headroom_and_free_against_the_cap():
     assert breakdown.cap_headroom(cap=30 * G, peak_reserved=20 * G, card_headroom=5 * G) == 5 * G
     assert breakdown.cap_headroom(cap=30 * G, peak_reserved=20 * G, card_headroom=None) == 10 * G
     nv, cards = _node(used=[21 * G], processes=[[FakeProcess(ME, int(20.5 * G))]])
-    row = _memory(FakeLayout(["cuda:0"], [{}]), nv, cards, {0: (10 * G, 20 * G, 15 * G)}, caps={0: 30 * G}).live()[0]
+    row = _memory(FakeLayout(["cuda:0"], [{}]), nv, cards, {0: (10 * G, 20 * G, 15 * G)}, caps={0: 30 * G}).now()[0]
     assert row["at"] == "now" and row["cap_bytes"] == 30 * G and row["cap_free_bytes"] == 10 * G
     assert row["kinds"]["activations"] == 10 * G and row["kinds"]["allocator_cache"] == 10 * G  # now, not the peak
     text = breakdown.table([row], title="t")
@@ -329,6 +329,8 @@ def _registry(memory):
 
     from job.telemetry.breakdown import BreakdownCollector
 
+    if hasattr(memory, "refresh"):
+        memory.refresh()  # as TrainingTelemetry.start does, in the thread that trains
     reg = CollectorRegistry(auto_describe=False)
     reg.register(BreakdownCollector(labels={"rank": "0", "local_rank": "0", "strategy": "dp", "run": "r"},
                                     memory=memory))
@@ -370,6 +372,35 @@ def test_a_failing_source_drops_the_series_not_the_scrape():
             raise RuntimeError("dictionary changed size during iteration")
 
     assert b"trainjob_memory_breakdown_bytes" not in generate_latest(_registry(Broken()))
+
+
+def test_a_scrape_serves_what_the_training_thread_measured_after_it_asked():
+    """live() (the scrape's thread) never reads a tensor: it returns the rows of the last refresh() (the thread
+    that trains, between steps), which measures only when a scrape asked since, and keeps the last rows when a
+    measurement fails."""
+    nv, cards = _node(used=[int(6 * G)], processes=[[FakeProcess(ME, int(5.5 * G))]])
+    layout = FakeLayout(["cuda:0"], [{"parameters": [G], "gradients": [], "optimizer_state": []}])
+    m = _memory(layout, nv, cards, {0: (2 * G, 4 * G, 3 * G)})
+    assert m.live() == []  # nothing measured yet
+    m.refresh()
+    first = m.live()
+    assert first[0]["kinds"]["gradients"] == 0
+    layout.tensors[0]["gradients"] = [FakeTensor(G, device="cuda:0")]  # backward made gradients
+    m.refresh()  # the scrape above asked: measured again, in this thread
+    assert m.live()[0]["kinds"]["gradients"] == G
+    calls = []
+    m.measure = lambda peak: calls.append(peak) or first
+    m.refresh()  # the scrape above asked once
+    m.refresh()  # and no scrape since: nothing measured
+    assert calls == [False]
+    m.live()
+
+    def broken(peak):
+        raise RuntimeError("a source failed")
+
+    m.measure = broken
+    m.refresh()  # a failure keeps the last rows, never raises into the loop
+    assert m.live() is first
 
 
 # -- through the trainer --------------------------------------------------------------------------------

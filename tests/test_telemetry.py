@@ -367,6 +367,42 @@ def test_cpu_training_run_serves_metrics(tmp_path, strategy, ranks):
     assert not list((tmp_path / "peers").iterdir())  # and the job's folder removed
 
 
+def test_scrapes_without_pause_while_training_do_not_crash_the_run(tmp_path):
+    """Three clients scraping a CPU run back to back: the memory breakdown read the gradients from the scrape's
+    thread while backward assigned them, and the run died of SIGSEGV within seconds. Now the thread that trains
+    measures it: the run keeps training, every scrape has the breakdown, SIGTERM still checkpoints."""
+    port = free_port()
+    proc = _start_training(tmp_path, port, "strategy=dp", "train.log_every=1000")
+    url = f"http://127.0.0.1:{port}/metrics"
+    try:
+        wait_for(url, _has_samples({"0"}), proc)
+        counts, errors = [0, 0, 0], []
+        deadline = time.monotonic() + 15
+
+        def scrape(k: int) -> None:
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    code, text = get(url)
+                except OSError as e:
+                    errors.append(repr(e))
+                    return
+                if code != 200 or "trainjob_memory_breakdown_bytes{" not in text:
+                    errors.append(f"{code}: {text[:200]}")
+                    return
+                counts[k] += 1
+
+        threads = [threading.Thread(target=scrape, args=(k,)) for k in range(3)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert proc.poll() is None, f"the run died (exit {proc.returncode}) after {sum(counts)} scrapes"
+        assert not errors and min(counts) > 0, (errors, counts)
+    finally:
+        rc = stop(proc)
+    assert rc == 75, proc.stdout.read()
+
+
 # -- the standalone exporter --------------------------------------------------------------------
 
 

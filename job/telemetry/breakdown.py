@@ -1,4 +1,4 @@
-"""`BreakdownCollector`: each card's memory by kind (job.breakdown), read at scrape time, labels as the
+"""`BreakdownCollector`: each card's memory by kind (job.breakdown), as of the last step, labels as the
 allocator's series plus `kind`; the other processes on the card with their pid and name; the cap.
 
 - `trainjob_memory_breakdown_bytes{kind=...}`: one series per card this process drives and kind (parameters,
@@ -8,9 +8,11 @@ allocator's series plus `kind`; the other processes on the card with their pid a
 - `trainjob_memory_other_process_bytes{pid, process}`: every other process NVML lists on the card.
 - `trainjob_memory_cap_bytes`: what `memory.cap_gb` lets this process use on the card, when set.
 
-The source is a `job.breakdown.Memory` (its `live()`): the strategy's tensors, torch's allocator and NVML, read
-in the scrape thread. A source that fails (the optimizer creating its state in the first step as the scrape
-reads it) drops this collector's series for that scrape, not the scrape.
+The source is a `job.breakdown.Memory` (its `live()`): the strategy's tensors, torch's allocator and NVML,
+measured by the thread that trains at the first step end after a scrape asked (`observe_step` calls
+`Memory.refresh`), never in the scrape's thread, where reading tensors while backward assigns gradients
+crashed the process. A scrape serves the last rows measured; a source that fails drops this collector's
+series for that scrape, not the scrape.
 """
 
 from __future__ import annotations

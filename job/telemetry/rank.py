@@ -40,7 +40,7 @@ class TrainingTelemetry:
         self.device = device
         self._nvml, self._allocator, self._cards = nvml, allocator, cards
         self._plan = plan or []
-        self._memory = memory  # job.breakdown.Memory: the cards' memory by kind, read at each scrape
+        self._memory = memory  # job.breakdown.Memory: the cards' memory by kind, refreshed by observe_step
         self.host = socket.gethostname()
         self.cards: list[devices.Card] = []
         self.uuid = ""
@@ -88,6 +88,7 @@ class TrainingTelemetry:
         if self._plan:
             self.registry.register(PlanCollector(labels=lab, plan=self._plan, cards=self.cards))
         if self._memory is not None:
+            self._memory.refresh()  # the first scrape's rows, measured here in the thread that trains
             self.registry.register(BreakdownCollector(labels=lab, memory=self._memory))
         if self.tcfg.port <= 0:
             return self
@@ -129,6 +130,8 @@ class TrainingTelemetry:
         self.steps += 1
         self._last_progress = time.monotonic()
         self.training.observe(seconds, samples, loss)
+        if self._memory is not None:  # the breakdown, if a scrape asked since the last step (Memory.live)
+            self._memory.refresh()
 
     def observe_validation(self, val: dict) -> None:
         """The last evaluation of the held-out data (job.evaluate)."""

@@ -118,11 +118,11 @@ def bench_scrape(*, cards: int = 8, ranks: int = 8, scrapes: int = 200) -> dict[
         for _ in range(n):
             tel.observe_step(0.1, 16, 3.0)
         observe_us = (time.perf_counter() - t0) / n * 1e6
-        # one memory breakdown of a card (what every scrape and every logged step computes)
+        # one memory breakdown of a card (what the step after a scrape, and every logged step, computes)
         n = 200
         t0 = time.perf_counter()
         for _ in range(n):
-            tel._memory.live()
+            tel._memory.now()
         breakdown_us = (time.perf_counter() - t0) / n * 1e6
     finally:
         for p in procs:
