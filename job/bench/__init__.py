@@ -49,7 +49,8 @@ Exit code: 0 if every run that was started succeeded (maxbatch: every search end
 1 if one failed, 2 on bad input, 75 if the benchmark itself was interrupted (results are still written).
 
 Where the code is:
-- runner.py       Bench: the whole benchmark, and one run in a fresh trainer process (`run_one`)
+- runner.py       Bench: the whole benchmark (settings, signals, bench.json, the tables)
+- child.py        Runs and RunSpec: one run in a fresh process, the seam every mode uses
 - compare.py      bench.mode=compare, and the median/range/claim rule over the repeats
 - maxbatch.py     bench.mode=maxbatch: the search for the largest batch that trains
 - profiling.py    bench.mode=profile: the bench's side and the profiled child (`python -m job.bench`)
@@ -64,12 +65,13 @@ Where the code is:
 from __future__ import annotations
 
 from job.bench.chart import write_chart
+from job.bench.child import Runs, RunSpec, timed_throughput
 from job.bench.compare import compare, comparisons, rotated, spread, summarize, summary_scaling
 from job.bench.imagefolder import image_folder
 from job.bench.maxbatch import batch_rule, classify_trial, search_max_batch
 from job.bench.profiling import profile_main
 from job.bench.results import RESULT_SCHEMA, SCHEMA_ID
-from job.bench.runner import Bench, timed_throughput
+from job.bench.runner import Bench
 from job.bench.settings import user_overrides
 from job.bench.table import table
 from job.bench.tenant import Tenant
@@ -81,6 +83,6 @@ def run(cfg, workload: str | None = None) -> int:
     return Bench(cfg, workload).run()
 
 
-__all__ = ["RESULT_SCHEMA", "SCHEMA_ID", "Bench", "Tenant", "batch_rule", "classify_trial", "compare", "comparisons",
+__all__ = ["RESULT_SCHEMA", "SCHEMA_ID", "Bench", "RunSpec", "Runs", "Tenant", "batch_rule", "classify_trial", "compare", "comparisons",
            "image_folder", "profile_main", "rotated", "run", "search_max_batch", "spread", "summarize",
            "summary_scaling", "table", "timed_throughput", "user_overrides", "write_chart"]

@@ -9,16 +9,14 @@ from __future__ import annotations
 import logging
 import os
 import statistics
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from job.bench.child import Runs, RunSpec
 from job.bench.imagefolder import image_folder, token_file
 from job.bench.process import free_port
 from job.bench.results import COMPARED, card_key, empty_run, workload_result
 from job.bench.settings import multi_process
 from job.breakdown import KINDS
-
-if TYPE_CHECKING:
-    from job.bench.runner import Bench
 
 log = logging.getLogger("job")
 
@@ -167,7 +165,7 @@ def _scaling(runs: list[dict], n: int) -> None:
 # -- the mode: one workload ---------------------------------------------------------------------
 
 
-def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
+def bench_workload(bench: Runs, workload: str) -> dict[str, Any]:
     """compare: the baseline, the strategies (and their imagefolder rows), repeated; then the telemetry pairs."""
     from job import config as config_mod
 
@@ -217,9 +215,9 @@ def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
                     runs.append(item)
                 continue
             name, kind, strategy, extra, env = item
-            module = "job.bench.reference" if kind == "reference" else "job"
-            runs.append(bench.run_one(workload, name, kind, strategy, extra=extra, env=env, repeat=rep + 1,
-                                      run_id=f"{workload}-{name}-r{rep + 1}", module=module))
+            runs.append(bench.run(RunSpec(workload, name, kind, strategy, extra=tuple(extra), env=env,
+                                          repeat=rep + 1, run_id=f"{workload}-{name}-r{rep + 1}",
+                                          program="reference" if kind == "reference" else "trainer")))
         if bench.interrupted:  # this repeat's other runs are listed as not run; no further repeats
             break
     _scaling(runs, n)
@@ -232,7 +230,7 @@ def bench_workload(bench: Bench, workload: str) -> dict[str, Any]:
                            tokens=tokens)
 
 
-def _file_args(bench: Bench, strategy: str, kind: str, path: str, *more: str) -> list[str]:
+def _file_args(bench: Runs, strategy: str, kind: str, path: str, *more: str) -> list[str]:
     extra = [f"data.kind={kind}", f"data.path={path}", "data.prefetch=true", *more]
     if "data.workers" not in bench.overrides:
         # Workers per training process: the cores of its share of the machine, one left for the
@@ -242,7 +240,7 @@ def _file_args(bench: Bench, strategy: str, kind: str, path: str, *more: str) ->
     return extra
 
 
-def _telemetry_overhead(bench: Bench, workload: str, runs: list[dict]) -> dict[str, Any]:
+def _telemetry_overhead(bench: Runs, workload: str, runs: list[dict]) -> dict[str, Any]:
     s = bench.b.telemetry_strategy
     off, on, off_runs, on_runs, scrapes = [], [], [], [], 0
     for i in range(1, bench.b.telemetry_repeats + 1):
@@ -253,11 +251,11 @@ def _telemetry_overhead(bench: Bench, workload: str, runs: list[dict]) -> dict[s
             a = next((r for r in runs if r["kind"] == "strategy" and r["strategy"] == s
                       and r["status"] == "ok"), None)
         if a is None:
-            a = bench.run_one(workload, f"telemetry-off-{i}", "telemetry_off", s, extra=["telemetry.port=0"])
+            a = bench.run(RunSpec(workload, f"telemetry-off-{i}", "telemetry_off", s, extra=("telemetry.port=0",)))
             runs.append(a)
         port = free_port()
-        z = bench.run_one(workload, f"telemetry-on-{i}", "telemetry_on", s,
-                          extra=[f"telemetry.port={port}", "telemetry.host=127.0.0.1"], scrape_port=port)
+        z = bench.run(RunSpec(workload, f"telemetry-on-{i}", "telemetry_on", s,
+                              extra=(f"telemetry.port={port}", "telemetry.host=127.0.0.1"), scrape_port=port))
         runs.append(z)
         if a["status"] == "ok" and z["status"] == "ok":
             off.append(a["step_s"])

@@ -8,15 +8,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from job import config as config_mod
+from job.bench.child import Runs, RunSpec
 from job.bench.results import workload_result
 from job.bench.settings import multi_process
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE
-
-if TYPE_CHECKING:
-    from job.bench.runner import Bench
 
 log = logging.getLogger("job")
 # What a trial's error line says when it ran out of memory: CUDA's and the trainer's wording, and the
@@ -117,7 +115,7 @@ def search_max_batch(trial: Callable[[int], tuple[str, str | None]], *, start: i
             "trials": trials}
 
 
-def maxbatch_workload(bench: Bench, workload: str) -> dict[str, Any]:
+def maxbatch_workload(bench: Runs, workload: str) -> dict[str, Any]:
     """maxbatch: one search per strategy, in bench.strategies order."""
     ref_cfg = bench.ref_cfg(workload)
     runs: list[dict] = []
@@ -129,12 +127,12 @@ def maxbatch_workload(bench: Bench, workload: str) -> dict[str, Any]:
     return workload_result(workload, ref_cfg, cards=bench.cards, runs=runs, maxbatch=results)
 
 
-def _search(bench: Bench, workload: str, strategy: str, ref_cfg, runs: list[dict]) -> dict[str, Any]:
+def _search(bench: Runs, workload: str, strategy: str, ref_cfg, runs: list[dict]) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     key = bench.b.maxbatch_key
     if key == "train.batch_size":
-        probe = config_mod.load(bench.run_args(workload, strategy, "probe", [], warmup=1, steps=1))
+        probe = config_mod.load(bench.args(workload, strategy, "probe", [], warmup=1, steps=1))
         multi = multi_process(strategy)
         ranks = (int(probe.strategy.nprocs) or bench.cuda or 1) if multi else 1
         g, minimum = batch_rule(multi_process=multi, ranks=ranks, cards=bench.cuda or 1,
@@ -149,9 +147,9 @@ def _search(bench: Bench, workload: str, strategy: str, ref_cfg, runs: list[dict
 
     def trial(batch: int) -> tuple[str, str | None]:
         left = budget_s - (time.monotonic() - t0)
-        row = bench.run_one(workload, f"{strategy}@{batch}", "maxbatch_trial", strategy,
-                            extra=[f"{key}={batch}"], warmup=1, steps=bench.b.maxbatch_steps - 1,
-                            timeout_s=max(60.0, left), count_failure=False)
+        row = bench.run(RunSpec(workload, f"{strategy}@{batch}", "maxbatch_trial", strategy,
+                                extra=(f"{key}={batch}",), warmup=1, steps=bench.b.maxbatch_steps - 1,
+                                timeout_s=max(60.0, left), trial=True))
         runs.append(row)
         by_batch[batch] = row
         if row["status"] == "interrupted" or bench.interrupted:

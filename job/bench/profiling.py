@@ -17,17 +17,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from job import config as config_mod
 from job import phases as job_phases
+from job.bench.child import Runs, RunSpec
 from job.bench.results import workload_result
 from job.bench.settings import multi_process
 from job.bench.table import _grid
 from job.errors import EXIT_OK, EXIT_USAGE, UsageError
-
-if TYPE_CHECKING:
-    from job.bench.runner import Bench
 
 PROFILE_ENV = "JOB_BENCH_PROFILE_OUT"
 # Phases in display order: (name, depth), as job.phases marks them. "forward" and below exist where the
@@ -180,7 +178,7 @@ def profile_main(argv: list[str]) -> int:
     return EXIT_OK
 
 
-def profile_workload(bench: Bench, workload: str) -> dict[str, Any]:
+def profile_workload(bench: Runs, workload: str) -> dict[str, Any]:
     """profile: one profiled process per strategy; its profile-<workload>-<strategy>.json joins the result."""
     ref_cfg = bench.ref_cfg(workload)
     runs, profiles = [], []
@@ -189,9 +187,9 @@ def profile_workload(bench: Bench, workload: str) -> dict[str, Any]:
         if bench.interrupted:
             break
         out = bench.out / f"profile-{workload}-{s}"
-        row = bench.run_one(workload, f"profile-{s}", "profile", s, module="job.bench",
-                            extra=[f"train.log_every={total}"], steps=bench.b.profile_steps,
-                            env={PROFILE_ENV: str(out)})
+        row = bench.run(RunSpec(workload, f"profile-{s}", "profile", s, program="profile",
+                                extra=(f"train.log_every={total}",), steps=bench.b.profile_steps,
+                                env={PROFILE_ENV: str(out)}))
         runs.append(row)
         if row["status"] == "ok":
             try:

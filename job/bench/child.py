@@ -1,0 +1,269 @@
+"""One benchmark run in a fresh process, the seam every bench mode (compare, maxbatch, profiling) uses.
+
+A mode describes a run as a `RunSpec` and hands it to `Runs.run`, which builds the command (`Runs.args`: the
+user's overrides.yaml, the workload, the strategy, the bench's own keys), checks it as the trainer would
+(a refused run is a row with its reason, nothing started), starts it in its own session, logs it to
+logs/<run>.log, stops it at its time limit, and reads what it measured (metrics.jsonl and summary.json;
+what they hold is in job/bench/__init__.py) into one row of bench.json. `Runs` also holds what the modes
+read about the bench: its settings (`b`), the cards, the output folders, failures and interruption.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from job import config as config_mod
+from job.bench.process import error_line, plain_env, wait_or_kill
+from job.bench.results import CARD_SCHEMA, empty_run
+from job.bench.settings import strategy_arg
+from job.errors import EXIT_OK, UsageError
+
+log = logging.getLogger("job")
+
+# What a run starts: the trainer, a profiled trainer (job.bench.profiling reads its files) or the
+# hand-written loop (job.bench.reference: the same results files as the trainer's).
+PROGRAMS = {"trainer": ("-m", "job", "train"), "profile": ("-m", "job.bench"),
+            "reference": ("-m", "job.bench.reference")}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One run of the bench: `name` is its row (and, with the repeat, its run id); `kind` what the row is
+    (baseline, strategy, imagefolder, tokens, reference, telemetry_off/on, maxbatch_trial, profile)."""
+
+    workload: str  # the workload preset
+    name: str
+    kind: str
+    strategy: str
+    extra: tuple[str, ...] = ()  # key=value arguments after the bench's own
+    env: Mapping[str, str] = field(default_factory=dict)
+    repeat: int = 1
+    run_id: str | None = None  # default <workload>-<name>
+    warmup: int | None = None  # default bench.warmup; timed steps after it: default bench.steps
+    steps: int | None = None
+    timeout_s: float | None = None  # at most bench.timeout_min
+    scrape_port: int | None = None  # scrape this /metrics port while the run trains
+    trial: bool = False  # a maxbatch trial: its failure is an outcome, not a failure of the bench
+    program: str = "trainer"  # a key of PROGRAMS
+
+
+def timed_throughput(records: list[dict], *, warmup: int, total: int, batch: int) -> float | None:
+    """Samples/s between the records logged at step `warmup` and step `total` (None if one is missing)."""
+    by_step = {r.get("step"): r for r in records}
+    a, b = by_step.get(warmup), by_step.get(total)
+    if a is None or b is None or total <= warmup:
+        return None
+    dt = float(b["time"]) - float(a["time"])
+    return (total - warmup) * batch / dt if dt > 0 else None
+
+
+class _Scraper(threading.Thread):
+    """Scrapes a /metrics URL every `interval` seconds, as Prometheus would, while a run trains."""
+
+    def __init__(self, url: str, interval: float):
+        super().__init__(daemon=True, name="bench-scraper")
+        self.url, self.interval = url, interval
+        self.ok = self.failed = 0
+        self._halt = threading.Event()
+        # Loopback only: never through an http_proxy from the environment.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval):
+            try:
+                with self._opener.open(self.url, timeout=5) as r:
+                    body = r.read()
+                if r.status == 200 and b"trainjob_" in body:
+                    self.ok += 1
+                else:
+                    self.failed += 1
+            except OSError:  # not serving yet (model still building) or already closed
+                self.failed += 1
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+
+
+class Runs:
+    """The bench's child runs, one at a time, and what the modes read about the bench.
+
+    b: the bench.* settings; cuda: visible GPUs (0 on a CPU); cards: GPUs, or the processes standing in
+    for them; overrides: the user's key=values every run gets; out: the output folder; images_dir and
+    tokens_dir: where the generated files go; failed: runs and searches that failed; interrupted: set by
+    the first SIGINT/SIGTERM (`interrupt`), after which no run starts."""
+
+    def __init__(self, b, *, cuda: int, cards: int, overrides: dict, out: Path, images_dir: Path, tokens_dir: Path):
+        self.b, self.cuda, self.cards, self.overrides = b, cuda, cards, overrides
+        self.out, self.images_dir, self.tokens_dir = out, images_dir, tokens_dir
+        self.failed = 0
+        self.interrupted = False
+        self._child: subprocess.Popen | None = None
+
+    # -- what a run is -----------------------------------------------------------------------------
+    def args(self, workload: str, strategy: str, run_id: str, extra: list[str], *, warmup: int, steps: int,
+             overrides: Path | None = None) -> list[str]:
+        """A run's key=value arguments: the overrides, the workload and strategy, the bench's own keys, extra."""
+        args = ["--config", str(overrides or self.out / "overrides.yaml"), f"workload={workload}",
+                strategy_arg(strategy), f"train.steps={warmup + steps}", f"train.timing_warmup={warmup}",
+                f"train.log_every={warmup}", "train.checkpoint_every=0", "train.final_checkpoint=false",
+                "train.resume=overwrite", f"train.run_dir={self.out / 'runs'}", f"train.run_id={run_id}"]
+        if not self.cuda and "strategy.nprocs" not in self.overrides and not any(
+                e.startswith("strategy.nprocs=") for e in extra):
+            args.append(f"strategy.nprocs={self.b.cpu_procs}")
+        return args + list(extra)
+
+    def first_card(self) -> str:
+        """The card a one-card row runs on: the first of CUDA_VISIBLE_DEVICES, else the first on the PCI bus."""
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            from job.devices import parse_visible
+
+            entries = parse_visible(visible)
+            if entries:
+                return entries[0]
+        return "0"  # CUDA_DEVICE_ORDER=PCI_BUS_ID (job.devices)
+
+    def ref_cfg(self, workload: str):
+        """The workload's config as every run starts from it: its preset plus the user's overrides."""
+        return config_mod.load(["--config", str(self.out / "overrides.yaml"), f"workload={workload}"])
+
+    # -- running one ---------------------------------------------------------------------------------
+    def run(self, spec: RunSpec) -> dict[str, Any]:
+        """Start the run, wait for it, read its results: its row, status ok, failed, skipped or interrupted."""
+        data = next((e.split("=", 1)[1] for e in spec.extra if e.startswith("data.kind=")), "synthetic")
+        row = empty_run(spec.name, spec.kind, spec.strategy, repeat=spec.repeat, data=data)
+        if self.interrupted:
+            row["reason"] = "the benchmark was interrupted before this run"
+            return row
+        warmup = self.b.warmup if spec.warmup is None else spec.warmup
+        steps = self.b.steps if spec.steps is None else spec.steps
+        run_id = spec.run_id or f"{spec.workload}-{spec.name}"
+        args = self.args(spec.workload, spec.strategy, run_id, list(spec.extra), warmup=warmup, steps=steps)
+        try:
+            child_cfg = config_mod.load(args)  # the run would refuse it: say why now, spend nothing
+        except UsageError as e:
+            row["reason"] = str(e)
+            log.info("bench: %-22s skipped: %s", spec.name, e)
+            return row
+        command = [*PROGRAMS[spec.program], *args]
+        row["command"] = ["python", *command]
+        row["env"] = dict(spec.env)
+        row["batch_size"] = int(child_cfg.train.batch_size)
+        run_dir = self.out / "runs" / run_id
+        logs = self.out / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log_path = logs / f"{run_id}.log"
+        row["run_dir"], row["log"] = str(run_dir), str(log_path)
+        log.info("bench: %-22s running (%s)", spec.name, shlex.join(args[2:]))
+        limit = self.b.timeout_min * 60 if spec.timeout_s is None else min(spec.timeout_s, self.b.timeout_min * 60)
+        start = time.monotonic()
+        code, timed_out = self._wait([sys.executable, *command], spec, row, log_path, limit)
+        row["wall_s"] = round(time.monotonic() - start, 3)
+        row["exit_code"] = code
+        shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the bench needs none; they are big
+        count = not spec.trial
+        if self.interrupted:
+            row["status"], row["reason"] = "interrupted", "the benchmark was interrupted during this run"
+            return row
+        if timed_out:
+            return self.fail(row, f"timed out after {limit / 60:g} min", count)
+        if code != EXIT_OK:
+            return self.fail(row, error_line(log_path.read_text(errors="replace")), count)
+        if spec.program == "profile":  # its results are the profile's files, read by the mode
+            row["status"] = "ok"
+            return row
+        try:
+            self._read_results(row, run_dir, child_cfg, warmup=warmup, steps=steps)
+        except (OSError, ValueError, KeyError) as e:
+            return self.fail(row, f"run finished but its results cannot be read: {e}", count)
+        row["status"] = "ok"
+        log.info("bench: %-22s ok: %s samples/s", spec.name, f"{row['samples_per_s']:,.1f}")
+        return row
+
+    def fail(self, row: dict, reason: str, count: bool = True) -> dict:
+        """Mark the row failed with its reason; `count`: it fails the bench (exit 1)."""
+        row["status"], row["reason"] = "failed", reason
+        if count:
+            self.failed += 1
+            log.warning("bench: %-22s FAILED: %s", row["name"], reason)
+        else:
+            log.info("bench: %-22s failed: %s", row["name"], reason)
+        return row
+
+    def interrupt(self, again: bool) -> None:
+        """The bench got a signal: SIGTERM the current run (it checkpoints and exits), SIGKILL it `again`."""
+        self.interrupted = True
+        if self._child is not None and self._child.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._child.pid, signal.SIGKILL if again else signal.SIGTERM)
+
+    def _wait(self, cmd: list[str], spec: RunSpec, row: dict, log_path: Path, limit: float) -> tuple[int, bool]:
+        """Run `cmd` in its own session, logged to log_path, scraped if asked: (exit code, timed out)."""
+        scraper = None
+        with open(log_path, "w") as logf:
+            self._child = subprocess.Popen(
+                cmd, cwd=os.getcwd(), stdout=logf, stderr=subprocess.STDOUT, start_new_session=True,
+                env={**plain_env(), **spec.env, "PYTHONUNBUFFERED": "1"},
+            )
+            if spec.scrape_port is not None:
+                scraper = _Scraper(f"http://127.0.0.1:{spec.scrape_port}/metrics", self.b.scrape_interval_s)
+                scraper.start()
+            try:
+                return self._child.wait(timeout=limit), False
+            except subprocess.TimeoutExpired:
+                self._stop_child()
+                return self._child.returncode, True
+            finally:
+                if scraper is not None:
+                    scraper.stop()
+                    row["scrapes_ok"], row["scrapes_failed"] = scraper.ok, scraper.failed
+                self._child = None
+
+    def _stop_child(self) -> None:
+        """SIGTERM the run's session (its ranks too), then SIGKILL after 30 s."""
+        p = self._child
+        if p is None or p.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGTERM)
+        wait_or_kill(p, 30)
+
+    def _read_results(self, row: dict, run_dir: Path, child_cfg, *, warmup: int, steps: int) -> None:
+        summary = json.loads((run_dir / "summary.json").read_text())
+        records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        total = warmup + steps
+        sps = timed_throughput(records, warmup=warmup, total=total, batch=row["batch_size"])
+        if sps is None:
+            raise ValueError(f"metrics.jsonl has no records for steps {warmup} and {total}")
+        k = config_mod.workload_of(child_cfg).workload.units(config_mod.workload_settings(child_cfg))
+        kinds = {(b["rank"], b["device"]): b["kinds"] for b in summary.get("memory_breakdown", [])}
+        cards = [{**{key: r.get(key) for key in CARD_SCHEMA["properties"]}, "kinds": kinds.get((r["rank"], r["device"]))}
+                 for r in summary.get("cards", [])]
+        world = int(summary["world_size"])
+        window = summary.get("peak_window")
+        row.update({
+            "world_size": world, "units": len(cards) or world, "timed_steps": steps,
+            "samples_per_s": sps, "units_per_s": sps * k, "step_s": row["batch_size"] / sps,
+            "trainer_samples_per_s": float(summary["samples_per_s"]),
+            "imbalance": summary.get("imbalance"), "cards": cards, "peak_window": window,
+            "params": summary.get("params"),
+        })
+        if window != [warmup, total]:
+            row["window_note"] = (f"peaks cover steps after {window[0]} to {window[1]}, not the timed steps "
+                                  f"{warmup + 1}-{total}" if window else "the run did not record its peak window")
