@@ -10,8 +10,6 @@ weights with and without validation).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from job import workload as wl
@@ -19,11 +17,11 @@ from job import workload as wl
 
 class Evaluator:
     def __init__(self, data, resolved: wl.Resolved, ecfg, *, strategy, device: torch.device, micro_batch: int,
-                 channels_last: bool, amp_dtype, steps: int):
+                 channels_last: bool, precision, steps: int):
         self.data, self.resolved, self.strategy, self.device = data, resolved, strategy, device
         self.every, self.limit, self.steps = ecfg.every, ecfg.samples, steps
         self.batch = ecfg.batch_size or micro_batch
-        self.channels_last, self.amp_dtype = channels_last, amp_dtype
+        self.channels_last, self.precision = channels_last, precision
         self.enabled = data.has_val(ecfg.every)
         self.last: dict | None = None
 
@@ -38,11 +36,9 @@ class Evaluator:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct = torch.zeros((), dtype=torch.float64, device=self.device)
         counted, samples = 0.0, 0
-        autocast = (torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype is not None
-                    else contextlib.nullcontext())
         self.strategy.set_training(False)
         try:
-            with torch.no_grad(), autocast:
+            with torch.no_grad(), self.precision.autocast():
                 for x, y, n in self.data.val_batches(batch=self.batch, limit=self.limit, rank=self.strategy.rank,
                                                      world=self.strategy.world_size, device=self.device,
                                                      channels_last=self.channels_last):

@@ -27,6 +27,7 @@ metrics. After the first steps the trainer records each card's measured peak nex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -477,7 +478,7 @@ class Context:
     cap_gb: list[float]             # [] none, [a] every card, one per visible card
     make_batch: object = None       # (b, device) -> (x, y): probe inputs shaped like the real ones
     loss_fn: object = None          # loss(output, target, reduction="sum")
-    amp_dtype: object = None        # torch dtype under autocast, or None
+    precision: object = None        # job.precision.Precision: the probes' autocast (None: off)
     optimizer_bytes: object = None  # params -> bytes the first optimizer step will keep
     run_dir: Path | None = None
     key: dict = field(default_factory=dict)  # what a cached plan must match
@@ -501,7 +502,8 @@ class Context:
             saved = [t.clone() for t in buffers]
             x, y = self.make_batch(b, device)
             try:
-                with torch.autocast(device.type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None):
+                with (self.precision.autocast(device.type) if self.precision is not None
+                      else contextlib.nullcontext()):
                     loss = self.loss_fn(module(x), y, reduction="sum")
                 loss.backward()
             finally:

@@ -31,11 +31,11 @@ from job.data import Data
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
 from job.evaluate import Evaluator
 from job.models import human, param_count
+from job.precision import Precision
 from job.strategies import REGISTRY, graphs
 from job.strategies import build as build_strategy
 
 log = logging.getLogger("job")
-_AMP = {"bf16": torch.bfloat16, "fp16": torch.float16}
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 _stop = threading.Event()
 _stop_signal: list[int | None] = [None]
@@ -80,7 +80,7 @@ def run(cfg) -> int:
         if n > 1:
             # Refuse a batch that cannot be split before starting n processes that would each refuse it.
             build_strategy(cfg.strategy.name, strategy_cfg=cfg.strategy, devices=[torch.device("cpu")],
-                           world_size=n, amp=cfg.train.amp).check(micro_batch=cfg.train.batch_size // cfg.train.accum_steps)
+                           world_size=n, precision=Precision(cfg.train.amp)).check(micro_batch=cfg.train.batch_size // cfg.train.accum_steps)
             cfg.train.run_id = cfg.train.run_id or _new_run_id(cfg)
             return launch.spawn(cfg, n)
     env = env or launch.DistEnv(0, 1, 0)
@@ -185,6 +185,7 @@ class Trainer:
         multi = REGISTRY[cfg.strategy.name].multi_process
         self.devices = _pick_devices(cfg, env, multi)
         self.device = self.devices[0]
+        self.precision = Precision(t.amp, self.device.type)  # train.amp: autocast, loss scaler, fsdp's policy
         self.data = Data(self.resolved, self.settings, cfg.data, seed=t.seed, device=self.device)
         # Called with the step number after each optimizer step (and the strategy's on_step_end): the public
         # seam for code that watches training from the same process, e.g. bench.mode=profile's window.
@@ -196,7 +197,7 @@ class Trainer:
             launch.init_group(env, backend=backend, device=self.device, timeout_s=cfg.strategy.timeout_s)
         self.strategy = build_strategy(cfg.strategy.name, strategy_cfg=cfg.strategy, devices=self.devices,
                                        rank=env.rank, world_size=env.world_size, local_rank=env.local_rank,
-                                       amp=t.amp)
+                                       precision=self.precision)
         self.micro_batch = t.batch_size // t.accum_steps
         self.strategy.check(micro_batch=self.micro_batch)
         self.is_main = self.strategy.is_main
@@ -229,7 +230,6 @@ class Trainer:
         if t.channels_last:  # only 4-D (convolution) weights change layout
             model = model.to(memory_format=torch.channels_last)
         self.model = self.strategy.to_device(model)
-        self.scaler = torch.amp.GradScaler(self.device.type, enabled=t.amp == "fp16")
         self.step, self.sample_position = 0, 0  # samples consumed: the data stream's position
         self._saved_step = -1
         self._faults = failure.faults()  # the JOB_FAULT test hook; empty unless set
@@ -255,7 +255,7 @@ class Trainer:
         self.batches = _batches(self)
         self.evaluator = Evaluator(self.data, self.resolved, cfg.eval, strategy=self.strategy, device=self.device,
                                    micro_batch=self.micro_batch, channels_last=t.channels_last,
-                                   amp_dtype=_AMP.get(t.amp), steps=t.steps)
+                                   precision=self.precision, steps=t.steps)
         self.clock = _Clock()
         self.peaks_from = 0  # the per-card peaks cover the steps after this one (set by the loop)
         report.card_rows(self.devices, rank=env.rank)  # NVML start-up and card mapping, before any timing
@@ -306,7 +306,7 @@ class Trainer:
         rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)
         ctx = memplan.Context(
             micro_batch=self.micro_batch, accum_steps=t.accum_steps, margin_gb=c.memory.margin_gb,
-            cap_gb=list(c.memory.cap_gb), loss_fn=self.workload.loss, amp_dtype=_AMP.get(t.amp),
+            cap_gb=list(c.memory.cap_gb), loss_fn=self.workload.loss, precision=self.precision,
             run_dir=self.run_dir, make_batch=lambda b, d: self.data.probe_batch(b, d, channels_last=t.channels_last),
             optimizer_bytes=(lambda params: 0) if self.optimizer.state else
             (lambda params: memplan.optimizer_state_bytes(params, t.optimizer, t.momentum)),
@@ -465,8 +465,7 @@ class Trainer:
                 f"checkpoint {path} has optimizer state that does not fit train.optimizer="
                 f"{self.cfg.train.optimizer} ({e}); keep the optimizer or set train.resume=overwrite"
             ) from None
-        if state.get("scaler"):
-            self.scaler.load_state_dict(state["scaler"])
+        self.precision.load_state_dict(state.get("scaler"))
         t = self.cfg.train
         self.step = int(state["step"])
         if "sample_position" in state:
@@ -553,27 +552,25 @@ class Trainer:
         """One optimizer step over train.accum_steps micro-batches (`poison`: a fault test's NaN loss); the loss
         is added to the sum since the last log line, and the step hooks are called."""
         t = self.cfg.train
-        amp_dtype = _AMP.get(t.amp)
         self._set_lr()
         self.optimizer.zero_grad(set_to_none=True)
         for micro in range(t.accum_steps):
             with phases.mark("data"):
                 x, y = next(self.batches)
             with self.strategy.backward_sync(micro == t.accum_steps - 1):
-                with torch.autocast(self.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                with self.precision.autocast():
                     with phases.mark("forward+loss"):
                         loss = self.strategy.loss(x, y)
                     if poison:
                         loss = loss * float("nan")
                 with phases.mark("backward"):
-                    self.scaler.scale(loss / t.accum_steps).backward()
+                    self.precision.backward(loss / t.accum_steps)
             self._loss_sum += loss.detach() / t.accum_steps
         if t.grad_clip:
-            self.scaler.unscale_(self.optimizer)
+            self.precision.unscale(self.optimizer)
             self.strategy.clip_grad_norm(t.grad_clip)
         with phases.mark("optimizer"):
-            self.scaler.step(self.optimizer)
-        self.scaler.update()
+            self.precision.step(self.optimizer)
         self.step += 1
         self.strategy.on_step_end(self.step)
         self.sample_position += t.batch_size
@@ -653,7 +650,7 @@ class Trainer:
             state = {
                 "model": full[0],
                 "optimizer": full[1],
-                "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else None,
+                "scaler": self.precision.state_dict(),
                 "step": self.step,
                 "sample_position": self.sample_position,
                 "data_position": self.sample_position // self.micro_batch,  # micro-batches, for older readers

@@ -57,15 +57,17 @@ def test_switches_compose_on_gpu(tmp_path):
 @requires_gpus(2)
 @pytest.mark.parametrize("amp,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_dp_replicas_run_in_the_autocast_dtype(amp, dtype):
-    """Stock DataParallel ran a bf16 autocast's replicas in fp16; dp passes the dtype on."""
+    """Stock DataParallel ran a bf16 autocast's replicas in fp16; dp runs them in the run's precision."""
     from omegaconf import OmegaConf
 
     from job.config import StrategyCfg
+    from job.precision import Precision
     from job.strategies.dp import DataParallelStrategy
 
     model = torch.nn.Linear(16, 8).cuda(0)
     s = DataParallelStrategy(OmegaConf.structured(StrategyCfg(name="dp")),
-                             devices=[torch.device("cuda", 0), torch.device("cuda", 1)])
+                             devices=[torch.device("cuda", 0), torch.device("cuda", 1)],
+                             precision=Precision(amp, "cuda"))
     s.check(micro_batch=8)
     s.setup(model, lambda out, y, reduction="mean": out.float().mean())
     seen = []

@@ -17,10 +17,11 @@ REGISTRY: dict[str, type[Strategy]] = {
 
 
 def build(name: str, *, strategy_cfg, devices, rank: int = 0, world_size: int = 1,
-          local_rank: int = 0, amp: str = "off") -> Strategy:
+          local_rank: int = 0, precision=None) -> Strategy:
+    """`precision`: the run's job.precision.Precision (train.amp; off when None)."""
     from job.errors import UsageError
 
     if name not in REGISTRY:
         raise UsageError(f"unknown strategy `{name}`; choose one of: {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name](strategy_cfg, devices=devices, rank=rank, world_size=world_size,
-                          local_rank=local_rank, amp=amp)
+                          local_rank=local_rank, precision=precision)

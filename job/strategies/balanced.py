@@ -179,20 +179,18 @@ class BalancedStrategy(Strategy):
         total = x.shape[0]
         sizes = self.sizes if sum(self.sizes) == total else split_sizes(total, len(self.devices))
         xs, ys = x.split(sizes), y.split(sizes)
-        amp = {d.type: (torch.is_autocast_enabled(d.type), torch.get_autocast_dtype(d.type)) for d in self.devices}
         grad = torch.is_grad_enabled()
 
         def forward(k: int):
             dev = self.devices[k]
             xk = xs[k].to(dev, non_blocking=True)
             yk = ys[k].to(dev, non_blocking=True)
-            enabled, dtype = amp[dev.type]
             graph = self.graphs.get(k) if self.graphs is not None and grad else None
-            if graph is not None and graph.matches(xk, yk, amp[dev.type]) and self.replicas[k].training:
+            if graph is not None and graph.matches(xk, yk, self.precision.key()) and self.replicas[k].training:
                 with torch.cuda.device(dev):
                     return graph.run(xk, yk)
             ctx = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
-            with ctx, torch.set_grad_enabled(grad), torch.autocast(dev.type, dtype=dtype, enabled=enabled):
+            with ctx, torch.set_grad_enabled(grad), self.precision.autocast(dev.type):
                 with phases.mark("forward"):
                     out = self.replicas[k](xk)
                 with phases.mark("loss"):
@@ -204,7 +202,7 @@ class BalancedStrategy(Strategy):
             if self.reducer is None:  # after the memory plan, whose probes measure gradients without buckets
                 self.reducer = comm.GradReducer(self._params, self.devices, self.cfg.bucket_mb)
             if self.graphs is not None:
-                self._capture(xs, ys, sizes, amp)
+                self._capture(xs, ys, sizes)
             self.reducer.prepare([n > 0 for n in sizes], sync=self._sync)
         if not self.workers:  # every card's forward launched from this thread in turn (no GIL hand-offs)
             sums = [forward(k) for k in range(len(self.devices)) if sizes[k]]
@@ -218,7 +216,7 @@ class BalancedStrategy(Strategy):
         # Only scalars cross to GPU 0: the mean over all samples, whatever the split.
         return torch.stack([s.to(dev0) for s in sums]).sum() / total
 
-    def _capture(self, xs, ys, sizes: list[int], amp) -> None:
+    def _capture(self, xs, ys, sizes: list[int]) -> None:
         """At the first training micro-step of the planned split, capture every card's step (here in the main
         thread, before any replica runs); later shapes run eagerly."""
         if self.graphs or sizes != self.sizes or not self.replicas[0].training:
@@ -226,7 +224,7 @@ class BalancedStrategy(Strategy):
         for k, dev in enumerate(self.devices):
             if sizes[k]:
                 x, y = xs[k].to(dev), ys[k].to(dev)
-                self.graphs[k] = graphs.capture(k, self.replicas[k], self.loss_fn, x, y, amp=amp[dev.type])
+                self.graphs[k] = graphs.capture(k, self.replicas[k], self.loss_fn, x, y, amp=self.precision.key())
         log.info("balanced: each card's step captured as CUDA graphs (shares %s); other shapes run eagerly",
                  [n for n in sizes if n])
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from job import memplan, phases
 from job.errors import UsageError
+from job.precision import Precision
 
 log = logging.getLogger("job")
 
@@ -28,9 +29,10 @@ class Strategy:
     min_share = 1  # fewest samples a card (balanced) or rank (ddp) may get in a split
 
     def __init__(self, scfg, *, devices: list[torch.device], rank: int = 0, world_size: int = 1,
-                 local_rank: int = 0, amp: str = "off"):
+                 local_rank: int = 0, precision: Precision | None = None):
         self.cfg = scfg
-        self.amp = amp  # train.amp: off | bf16 | fp16 (the trainer's autocast; fsdp sets its own policy from it)
+        # train.amp (job.precision): replicas run in its autocast; fsdp builds its policy from it.
+        self.precision = precision or Precision("off", devices[0].type)
         self.devices = devices
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.module: nn.Module | None = None

@@ -3,17 +3,17 @@
 Scatter from GPU 0, replicate every step, gather all outputs onto GPU 0, compute the loss there.
 This is the behaviour whose GPU-0 pile-up the project measures; the two departures from the stock
 recipe are the smallest fixes of two DataParallel bugs: cuDNN autotuning is turned off (see
-base.disable_cudnn_autotune), and each replica's autocast gets the caller's dtype (torch's parallel_apply
-passes only `enabled` to the replica threads, so a bf16 autocast ran the replicas in fp16, with no
-GradScaler).
+base.disable_cudnn_autotune), and each replica runs under the run's autocast (job.precision; torch's
+parallel_apply passes only `enabled` to the replica threads, so a bf16 autocast ran the replicas in fp16,
+with no GradScaler).
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from job import phases
+from job.precision import Precision
 from job.strategies.base import Strategy, check_at_least_one_per_card, disable_cudnn_autotune
 
 
@@ -28,8 +28,8 @@ class DataParallelStrategy(Strategy):
         if self.device.type == "cuda" and len(self.devices) > 1:
             disable_cudnn_autotune(self.name, self.devices)
             # Outputs are gathered on GPU 0 and the loss is computed there (base.loss): the stock recipe.
-            self.forward = _DataParallel(_ReplicaAutocast(self.forward), device_ids=[d.index for d in self.devices],
-                                         output_device=self.devices[0].index)
+            self.forward = _DataParallel(_ReplicaAutocast(self.forward, self.precision),
+                                         device_ids=[d.index for d in self.devices], output_device=self.devices[0].index)
 
     def even_sizes(self, micro_batch: int) -> list[int]:
         """What DataParallel's scatter gives each card: torch.chunk's sizes (ceil; later cards may get less)."""
@@ -51,27 +51,20 @@ def _marked(name: str):
 
 
 class _DataParallel(nn.DataParallel):
-    """Stock DataParallel; before replicating, it records the caller's autocast (its replicas copy it)."""
+    """Stock DataParallel, its four parts marked for bench.mode=profile (job.phases)."""
 
-    def forward(self, *inputs, **kwargs):
-        self.module.amp = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-        return super().forward(*inputs, **kwargs)
-
-    # Its four parts, marked for bench.mode=profile (job.phases).
     scatter, replicate, parallel_apply, gather = (_marked(n) for n in ("scatter", "replicate", "parallel_apply",
                                                                         "gather"))
 
 
 class _ReplicaAutocast(nn.Module):
-    """Runs the model under autocast with the dtype of the caller's autocast (set in `amp` per call)."""
+    """Runs the model (in a replica's thread) under the run's autocast."""
 
-    def __init__(self, inner: nn.Module):
+    def __init__(self, inner: nn.Module, precision: Precision):
         super().__init__()
-        self.inner = inner
-        self.amp: tuple[bool, torch.dtype | None] = (False, None)
+        self.inner, self.precision = inner, precision
 
     def forward(self, x):
-        enabled, dtype = self.amp
-        with torch.autocast("cuda", dtype=dtype, enabled=enabled):
+        with self.precision.autocast("cuda"):
             return self.inner(x)
 

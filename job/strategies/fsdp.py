@@ -64,7 +64,7 @@ class FSDPStrategy(DDPStrategy):
                 f"strategy.gpu0_batch={self.cfg.gpu0_batch} is for balanced/ddp; under fsdp give every rank's "
                 "share with strategy.split (e.g. strategy.split=4,12), or leave gpu0_batch=auto"
             )
-        if self.amp == "fp16":
+        if self.precision.mode == "fp16":
             raise UsageError(
                 "fsdp does not support train.amp=fp16 (its loss scaler would have to agree across shards on "
                 "skipped steps); use train.amp=bf16 (FSDP's mixed-precision policy) or off"
@@ -93,21 +93,20 @@ class FSDPStrategy(DDPStrategy):
 
     def setup(self, model: nn.Module, loss_fn, *, compile: bool = False, blocks=None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import fully_shard
 
         self.module, self.loss_fn = model, loss_fn
         self.compile = compile
         if not self.distributed:  # check() refuses this; kept for a strategy built by hand
             raise UsageError("fsdp needs an initialised process group of 2 or more ranks")
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if self.amp == "bf16" else MixedPrecisionPolicy())
+        policy = self.precision.fsdp_policy()
         units = list(blocks or [])
         for unit in units:
             fully_shard(unit, mesh=mesh, mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         log.info("fsdp: %d sharding units + the root over %d ranks; parameters%s", len(units), self.world_size,
-                 " all-gathered in bf16, gradients reduced in float32" if self.amp == "bf16" else " in float32")
+                 " all-gathered in bf16, gradients reduced in float32" if self.precision.mode == "bf16" else " in float32")
         if not units and self.is_main:
             log.warning("fsdp: the workload names no blocks, so the whole model is one sharding unit: its full "
                         "weights are gathered for every forward and backward; give Workload(blocks=...) to shard "
