@@ -1,8 +1,11 @@
-"""`ddp`: DistributedDataParallel, one process per card.
+"""`ddp`: DistributedDataParallel, one process per card; and what every one-process-per-card strategy shares.
 
-The process group is set up by job.launch (spawned by the trainer, or joined under torchrun/Slurm);
-this module wraps the model and provides the collectives the trainer needs. Control-plane collectives
-(stop flag, logging) go over a gloo group so they never force a GPU synchronisation.
+The process group is set up by job.launch (spawned by the trainer, or joined under torchrun/Slurm).
+`ProcessGroupStrategy` holds what ddp and fsdp have in common: the collectives the trainer needs (over a
+gloo group for the control plane: stop flag, logging, so they never force a GPU synchronisation), a
+sample per rank, this rank's share of each micro-batch, its line of the memory plan. `DDPStrategy` adds
+DistributedDataParallel's wrapping (after the memory plan), no_sync under accumulation, and the probes
+of strategy.split=auto.
 """
 
 from __future__ import annotations
@@ -18,13 +21,14 @@ from job.errors import PeerUsageError, UsageError
 from job.strategies.base import Strategy, parse_mode
 
 
-class DDPStrategy(Strategy):
-    name = "ddp"
+class ProcessGroupStrategy(Strategy):
+    """One process per card in a process group: collectives, a sample per rank, this rank's share."""
+
     multi_process = True
 
     def __init__(self, scfg, **kw):
         super().__init__(scfg, **kw)
-        self.micro_batch, self.mode, self.ddp, self.compile = 0, "even", None, False
+        self.micro_batch, self.mode = 0, "even"
         self.distributed = dist.is_available() and dist.is_initialized() and self.world_size > 1
         self.ctrl = None
         if self.distributed:
@@ -43,6 +47,42 @@ class DDPStrategy(Strategy):
     def share(self, micro_batch: int) -> tuple[int, int]:
         sizes = self.sizes or memplan.even_split(micro_batch, self.world_size)
         return sum(sizes[: self.rank]), sizes[self.rank]
+
+    def local_cards(self, plan):
+        return [plan.cards[self.rank]]
+
+    def all_gather_object(self, obj) -> list:
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.ctrl)
+        return out
+
+    def mean(self, value: float) -> float:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, group=self.ctrl)
+        return float(t.item()) / self.world_size
+
+    def any(self, flag: bool) -> bool:
+        if not self.distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.ctrl)
+
+
+class DDPStrategy(ProcessGroupStrategy):
+    name = "ddp"
+
+    def __init__(self, scfg, **kw):
+        super().__init__(scfg, **kw)
+        self.ddp, self.compile = None, False
 
     def setup(self, model: nn.Module, loss_fn, *, compile: bool = False, blocks=None) -> None:
         super().setup(model, loss_fn)
@@ -109,9 +149,6 @@ class DDPStrategy(Strategy):
         plan.reused = True
         return plan
 
-    def local_cards(self, plan):
-        return [plan.cards[self.rank]]
-
     def loss(self, x, y):
         """This rank's samples' loss sum x world / micro-batch: DDP averages gradients over ranks, so the
         result is the gradient of the full micro-batch's mean whatever the split (the mean of these values
@@ -124,28 +161,3 @@ class DDPStrategy(Strategy):
         if self.distributed and not enabled:
             return self.ddp.no_sync()
         return super().backward_sync(enabled)
-
-    def all_gather_object(self, obj) -> list:
-        if not self.distributed:
-            return [obj]
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.ctrl)
-        return out
-
-    def mean(self, value: float) -> float:
-        if not self.distributed:
-            return value
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, group=self.ctrl)
-        return float(t.item()) / self.world_size
-
-    def any(self, flag: bool) -> bool:
-        if not self.distributed:
-            return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.ctrl)
-        return bool(t.item())
-
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self.ctrl)

@@ -39,7 +39,7 @@ from torch import nn
 from job import memplan
 from job.errors import UsageError
 from job.strategies.base import tensors_by_device, unique_tensors
-from job.strategies.ddp import DDPStrategy
+from job.strategies.ddp import ProcessGroupStrategy
 
 log = logging.getLogger("job")
 
@@ -49,9 +49,11 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-class FSDPStrategy(DDPStrategy):
+class FSDPStrategy(ProcessGroupStrategy):
+    """The collectives and shares of ddp (ProcessGroupStrategy), sharded with fully_shard instead of wrapped in
+    DDP; backward_sync is the base's, so every micro-step reduce-scatters (see Accumulation above)."""
+
     name = "fsdp"
-    multi_process = True
 
     def check(self, *, micro_batch: int) -> None:
         if self.world_size < 2:
@@ -113,9 +115,6 @@ class FSDPStrategy(DDPStrategy):
                         "block by block")
         self.forward = torch.compile(model) if compile else model
 
-    def _wrap(self) -> None:  # sharded in setup: the optimizer must see the sharded parameters
-        pass
-
     def plan_memory(self, ctx) -> memplan.Plan:
         """Each rank's card (free memory, room) for the table; the split: explicit shares, else even."""
         mine = ctx.card(self.device, f"rank {self.rank} {self.device}", self.local_rank)
@@ -141,10 +140,6 @@ class FSDPStrategy(DDPStrategy):
         with torch.autocast(self.device.type, enabled=False):
             out = self.forward(x)
         return self.loss_fn(out, y, reduction="sum") * (self.world_size / self.micro_batch)
-
-    def backward_sync(self, enabled: bool):
-        # Reduce-scatter on every micro-step: an unsynced gradient would be a full, unsharded copy.
-        return super(DDPStrategy, self).backward_sync(enabled)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global norm over every shard (DTensor reduces it across ranks), as one process computes it."""
