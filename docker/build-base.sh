@@ -13,7 +13,7 @@
 #                                         cache-key label matches is kept)
 # Env:   VENV=.venv  MIRROR=<apt mirror URL>  WORK=<scratch dir>  DOCKER=docker
 #        PROMETHEUS_BIN=$(command -v prometheus)  TORCH_PIN='torch==X torchvision==Y' (default: the Makefile's)
-# The pin is the one torch of the project (tests/test_docker.py fails when the Makefile, the Dockerfile's
+# The pin is the one torch of the project (tests/infra/test_docker.py fails when the Makefile, the Dockerfile's
 # base tag and this script disagree). Where only its CUDA build is served (as here), pip brings its
 # nvidia-* libraries too: the stand-in is then about 4.5 GB, but it runs the torch that ships.
 # Prints the two image references on its last two lines.

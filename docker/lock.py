@@ -7,7 +7,7 @@ pinned to a version and to the sha256 of its wheel, as `pip install --require-ha
 Resolution is pip's own (`pip download --only-binary=:all:` for CPython 3.11 on manylinux x86_64,
 the base image's Python), the hashes are `pip hash` of the wheels it downloaded: the pip-compile
 `--generate-hashes` format without pip-tools. torch and torchvision are the base image's, pinned by
-TORCH_PIN in the Makefile (tests/test_docker.py checks that the Makefile, the Dockerfile's base tag
+TORCH_PIN in the Makefile (tests/infra/test_docker.py checks that the Makefile, the Dockerfile's base tag
 and the CI stand-in agree).
 """
 

@@ -11,7 +11,7 @@ The store is used only here, on the error path, with a short timeout; the traini
 
 `JOB_FAULT=rank:step:kind[,...]` is a test hook (off unless set): during step `step` (1-based), rank `rank`
 raises (`raise`), runs out of memory (`oom`: raises torch.OutOfMemoryError), kills itself (`kill`: SIGKILL),
-stops itself (`stop`: SIGSTOP, a hung rank) or turns its loss into NaN (`nan`). tests/test_failure.py uses it.
+stops itself (`stop`: SIGSTOP, a hung rank) or turns its loss into NaN (`nan`). tests/e2e/test_failure.py uses it.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 Why copies: kustomize refuses files outside the kustomization root, and `kubectl apply -k k8s`
 must work from a plain checkout. So the dashboards are copied byte for byte, each rules file is
 wrapped verbatim in a PrometheusRule, and the kustomization that lists them is written here too.
-tests/test_k8s.py proves the rendered objects equal monitoring/'s files.
+tests/infra/test_k8s.py proves the rendered objects equal monitoring/'s files.
 """
 
 from __future__ import annotations

@@ -51,4 +51,4 @@ down: ## docker compose down (keeps the runs, Prometheus and Grafana volumes; AR
 	GRAFANA_ADMIN_PASSWORD_FILE=$${GRAFANA_ADMIN_PASSWORD_FILE:-/dev/null} $(COMPOSE) down $(ARGS)
 
 docker-test: setup ## The docker and dashboard tests only (first run builds the stand-in base: minutes)
-	$(PY) -m pytest -q tests/test_dashboards.py tests/test_docker.py $(ARGS)
+	$(PY) -m pytest -q tests/infra/test_dashboards.py tests/infra/test_docker.py $(ARGS)

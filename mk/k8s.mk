@@ -16,4 +16,4 @@ k8s-pins: setup ## Refuse (exit 2) any image in k8s, k8s/multinode, k8s/pytorchj
 	$(PY) k8s/pins.py check
 
 k8s-check: setup ## The Kubernetes tests only: schemas, CRD models, policies, sync, contract runs (CPU, Docker)
-	$(PY) -m pytest -q tests/test_k8s.py tests/test_k8s_contract.py tests/test_k8s_docker.py tests/test_k8s_gpu.py
+	$(PY) -m pytest -q tests/infra/test_k8s.py tests/infra/test_k8s_contract.py tests/infra/test_k8s_docker.py tests/gpu/test_k8s_gpu.py

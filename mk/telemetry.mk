@@ -21,4 +21,4 @@ bench-scrape: setup ## Time a merged scrape with 8 fake cards x 8 rank processes
 	$(PY) -m job.telemetry --bench-scrape $(ARGS)
 
 telemetry-test: setup ## The telemetry tests only (devices, collectors, exporter, Prometheus end to end)
-	$(PY) -m pytest -q tests/test_devices.py tests/test_telemetry.py tests/test_prometheus.py
+	$(PY) -m pytest -q tests/unit/test_devices.py tests/unit/test_telemetry.py tests/e2e/test_telemetry_runs.py tests/infra/test_prometheus.py

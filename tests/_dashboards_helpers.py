@@ -1,9 +1,9 @@
 """Strict offline validation of the Grafana dashboards, and their PromQL for live evaluation.
 
-Grafana has no server here, so tests/test_dashboards.py checks the JSON against the subset of
+Grafana has no server here, so tests/infra/test_dashboards.py checks the JSON against the subset of
 Grafana's dashboard model this project uses (unknown keys are errors, not ignored), checks every
 metric name against the metric contract (docs/design.md) and the recording rules, and parses every query with
-promtool; tests/test_docker.py evaluates the same queries against the live Prometheus of the
+promtool; tests/infra/test_docker.py evaluates the same queries against the live Prometheus of the
 compose stack. Both substitute Grafana's variables the way Grafana does before it sends a query.
 """
 
@@ -39,7 +39,7 @@ CONTRACT = {
 # none, so there the panel built on them may be empty (the docker and GPU tests require them).
 PLAN = {"trainjob_plan_samples", "trainjob_plan_headroom_bytes"}
 # Other processes exist only where something else holds memory on the job's cards (a tenant): a run alone on its
-# cards has none, so the panel built on them may be empty there (tests/test_dashboards_live.py's node has one).
+# cards has none, so the panel built on them may be empty there (tests/infra/test_dashboards_live.py's node has one).
 OTHER_PROCESSES = {"trainjob_memory_other_process_bytes"}
 PROMETHEUS_BUILTIN = {"up", "ALERTS"}
 # Series a CPU training run produces (no card, no allocator): the panels built only on these must

@@ -68,3 +68,11 @@ def stop(proc: subprocess.Popen, timeout: float = 60) -> int:
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def has_samples(ranks: set[str]):
+    """A wait_for predicate: every rank in `ranks` (and no other) has counted samples."""
+    def ok(text: str) -> bool:
+        got = {dict(lab)["rank"] for (n, lab), v in samples(text).items() if n == "trainjob_samples_total" and v > 0}
+        return got == ranks
+    return ok

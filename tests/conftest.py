@@ -1,5 +1,16 @@
 """Shared test helpers: GPU marks and the rule for tests that need a system service.
 
+Where a test is (the markers say what it needs, the folder what it tests):
+- unit/   one file per module of job/ (test_<module>.py), in-process, fast; a few of them also run one
+          command line to check the one-line refusal a user sees.
+- e2e/    `python -m job` in fresh processes on the CPU: training, failures, fsdp and ddp over gloo, the
+          bench, telemetry of real runs, security, the user's workloads.
+- infra/  against real services the tests start and stop: Slurm, Docker (compose, the image, pods run as
+          containers), Prometheus; Kubernetes and Grafana validated offline (no server here).
+- gpu/    tests that need CUDA cards, all marked and skipped without them (other folders hold a few too,
+          next to their CPU counterparts).
+- `_<area>_helpers.py` here: what several test files share (import them as top-level modules).
+
 - `@requires_gpus(n)`: skipped unless n CUDA devices are visible (GPU tests run on the lent H200s).
 - `need_binary(name)`: a test that needs a real service binary (slurmctld, prometheus, dockerd)
   fails in CI when it is missing (CI installs it, so missing means broken CI) and is skipped with

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prometheus 2.42 + promtool (Debian) for tests/test_prometheus.py and tests/test_telemetry.py's
+# Prometheus 2.42 + promtool (Debian) for tests/infra/test_prometheus.py and the telemetry tests'
 # `promtool check metrics`. The tests start Prometheus themselves on loopback; the package's own
 # service is never started here (no init system). Idempotent. .ci/run has already run `apt-get update`.
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Slurm 22.05 + munge for tests/test_slurm*.py; the tests start and stop the daemons themselves
+# Slurm 22.05 + munge for tests/infra/test_slurm*.py; the tests start and stop the daemons themselves
 # (slurm/cluster.sh). Idempotent. .ci/run has already run `apt-get update`.
 set -euo pipefail
 pkgs=(slurmctld slurmd slurm-client munge)

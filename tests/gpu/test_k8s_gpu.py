@@ -5,7 +5,7 @@ Skipped without 2 CUDA devices. What they settle that CPU runs cannot: the grant
 checkpoint of the manifests' real workloads (ResNet-50 bf16 in job.yaml, the LM with AdamW in the
 multi-node ConfigMap) fits the time Kubernetes and torchrun allow.
 
-    python -m pytest -q -s tests/test_k8s_gpu.py     # on the 2-GPU machine; -s prints the timings
+    python -m pytest -q -s tests/gpu/test_k8s_gpu.py     # on the 2-GPU machine; -s prints the timings
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 from tests._k8s_helpers import K8S, LocalPod, load_docs, one
 from tests.conftest import requires_gpus
-from tests.test_k8s_contract import (
+from tests.infra.test_k8s_contract import (
     TORCHRUN_SIGTERM_TIMEOUT_S,
     free_port,
     job_pod,

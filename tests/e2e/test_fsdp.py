@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 import torch
+from _train_helpers import SMALL, assert_same_weights, final_model, train, wait_for_step
 from conftest import ROOT, job_cmd, requires_gpus
-from test_train import SMALL, _wait_for_step, assert_same_weights, final_model, train
 
 # A small decoder LM: tied embedding/head, transformer blocks as sharding units, AdamW (the lm preset).
 LM = ["workload=lm", "workload.layers=2", "workload.d_model=32", "workload.heads=2", "workload.vocab=128",
@@ -119,7 +119,7 @@ def test_stopped_fsdp_run_checkpoints_and_resumes_to_the_same_weights(tmp_path):
     cmd = job_cmd("train", *SMALL, f"train.run_dir={tmp_path}", "train.run_id=cut", *args)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for_step(tmp_path / "cut" / "metrics.jsonl", 10, proc)
+        wait_for_step(tmp_path / "cut" / "metrics.jsonl", 10, proc)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
     finally:

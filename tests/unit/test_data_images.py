@@ -1,42 +1,20 @@
 """The image data path (job.datasets.ImageFolder, job.data): the same sample ids give the same samples whichever
 decoder, worker count or split reads them; the GPU decoder's batch logic runs on the CPU here (the batched
-decode and the crops are the same code on either device), and on a card in tests/test_gpu_data.py; broken
+decode and the crops are the same code on either device), and on a card in tests/gpu/test_gpu_data.py; broken
 files are one line; data.decode is checked against the device."""
 
 from __future__ import annotations
 
 import subprocess
-from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
+from _images_helpers import CPU, batch, make_folder
 from conftest import ROOT, job_cmd
-from PIL import Image
 
 from job import config
 from job.data import Data
 from job.datasets import BadImage, EncodedBatch, ImageFolder, SampleIndex
-
-CPU = torch.device("cpu")
-
-
-def make_folder(root: Path, per_class: int = 5, classes: int = 2, png_every: int = 4) -> Path:
-    """JPEGs of several shapes (some portrait, some smaller than the crop), one PNG in every `png_every`."""
-    rng = np.random.default_rng(0)
-    for c in range(classes):
-        (root / f"c{c}").mkdir(parents=True)
-        for i in range(per_class):
-            h, w = [(120, 160), (160, 120), (40, 50), (97, 131)][i % 4]
-            small = rng.integers(0, 256, size=(6, 8, 3), dtype=np.uint8)
-            img = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC))
-            ext = "png" if (c * per_class + i) % png_every == png_every - 1 else "jpg"
-            Image.fromarray(img).save(root / f"c{c}" / f"{i}.{ext}")
-    return root
-
-
-def batch(ds: ImageFolder, ids: list[SampleIndex], device=CPU):
-    return ds.to_device(ds.collate([ds[i] for i in ids]), device)
 
 
 @pytest.mark.parametrize("augment", [False, True])

@@ -22,7 +22,7 @@ import pytest
 from tests._k8s_helpers import K8S, LocalPod, dockerfile_entrypoint, load_docs, one, pod_templates
 
 JOB = K8S / "job.yaml"
-# The image's ENTRYPOINT (tests/test_k8s.py pins it to the Dockerfile's once that exists).
+# The image's ENTRYPOINT (tests/infra/test_k8s.py pins it to the Dockerfile's once that exists).
 ENTRYPOINT = dockerfile_entrypoint() or ["python", "-m", "job"]
 CPU_OVERRIDE = ["workload=tiny", "train.batch_size=8", "train.log_every=1"]
 
@@ -186,7 +186,7 @@ def test_multinode_two_pods_train_together(tmp_path, which):
     pods, name = multinode_pods(which, tmp_path, port)
     procs = []
     try:
-        # (the init containers' config check is run in tests/test_k8s.py)
+        # (the init containers' config check is run in tests/infra/test_k8s.py)
         for i, (pod, container, env) in enumerate(pods):
             _, telemetry = metrics_port_override()
             extra = CPU_OVERRIDE + ["train.steps=3"] + telemetry

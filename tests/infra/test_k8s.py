@@ -450,7 +450,7 @@ def test_liveness_probe_against_a_hung_rank(tmp_path):
     import urllib.error
     import urllib.request
 
-    from tests.test_k8s_contract import CPU_OVERRIDE, job_pod, metrics_port_override, start
+    from tests.infra.test_k8s_contract import CPU_OVERRIDE, job_pod, metrics_port_override, start
 
     pod, _ = job_pod(tmp_path, "trainjob-live1")
     path = pod.container("trainer")["livenessProbe"]["httpGet"]["path"]

@@ -1,13 +1,13 @@
 """Every dashboard panel against a live Prometheus scraping a fake two-card node (no GPU here).
 
-The card and allocator panels have no series in a CPU run, so tests/test_docker.py can only check
+The card and allocator panels have no series in a CPU run, so tests/infra/test_docker.py can only check
 that they evaluate. Here the project's own telemetry serves a DataParallel-shaped node through its
 injectable sources (job.fakes.FakeNvml for NVML, job.fakes.FakeAllocator for torch's allocator:
 the two things that cannot run without a GPU), a real Prometheus scrapes it with the project's rules,
 and every panel must return data whose labels fill its legend, with the pile-up numbers it was given: card 0
 holds the parameters, gradients and optimizer state (job.fakes.FakeLayout stands in for the tensors) and shares
 the card with another process, whose pid the other-processes panel names.
-tests/test_dashboards_gpu.py repeats this with real cards on the GPU machine.
+tests/gpu/test_dashboards_gpu.py repeats this with real cards on the GPU machine.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The dashboards' card and allocator panels against a real 2-GPU run (run on the lent GPU machine).
 
-On CPU those panels can only be parsed (tests/test_docker.py evaluates them without data); here a
+On CPU those panels can only be parsed (tests/infra/test_docker.py evaluates them without data); here a
 `strategy=dp` run on two cards serves real NVML and allocator series, so each panel must return data
 whose labels fill its legend. No Docker and no Grafana are needed: the trainer and Prometheus run on the
 host, on loopback.
@@ -94,7 +94,7 @@ def test_gpu_every_dashboard_panel_has_data(tmp_path):
             assert time.monotonic() < deadline, "Prometheus has no rate for the run after 60 s"
             time.sleep(2)
         # every panel has data on a GPU run, the memory plan's and the memory by kind included; other processes
-        # only where a tenant shares the cards (tests/test_breakdown_gpu.py)
+        # only where a tenant shares the cards (tests/gpu/test_breakdown_gpu.py)
         chosen = evaluate_live(api, needs_data=lambda metrics: "ALERTS" not in metrics and not metrics & OTHER_PROCESSES,
                                timeout=90)
         print(f"dashboard variables on the GPU run: {chosen}")

@@ -9,7 +9,7 @@ Kubernetes expands them. `docker stop -t <terminationGracePeriodSeconds>` is wha
 SIGTERM, then SIGKILL when the grace period runs out. Network: none (the trainer's metrics port
 binds inside the container's own namespace; no traffic leaves it).
 
-The engine and the stand-in base image come from tests/test_docker.py's fixtures (their own dockerd
+The engine and the stand-in base image come from tests/infra/test_docker.py's fixtures (their own dockerd
 with a cached data root; no registry is reachable here).
 """
 
@@ -26,8 +26,8 @@ import pytest
 
 from tests._k8s_helpers import ROOT, LocalPod, all_containers, container_env, expand, one, render
 from tests.conftest import IN_CI
-from tests.test_docker import engine, standin, users_project  # noqa: F401  (module-scoped fixtures, reused)
-from tests.test_k8s_contract import CPU_OVERRIDE, job_pod
+from tests.infra.test_docker import engine, standin, users_project  # noqa: F401  (module-scoped fixtures, reused)
+from tests.infra.test_k8s_contract import CPU_OVERRIDE, job_pod
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
 

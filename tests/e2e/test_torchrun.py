@@ -2,7 +2,7 @@
 
 Plain torchrun exits 1 (a SignalException traceback) after the ranks checkpointed on SIGTERM, and dies of
 SIGUSR2 (Slurm's signal before a time limit). The SIGTERM case through the multi-node manifest's own command
-line is tests/test_k8s_contract.py::test_multinode_sigterm_under_torchrun.
+line is tests/infra/test_k8s_contract.py::test_multinode_sigterm_under_torchrun.
 """
 
 from __future__ import annotations

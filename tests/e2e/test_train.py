@@ -7,37 +7,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
-import torch
+from _train_helpers import SMALL, assert_same_weights, final_model, train, wait_for_step
 from conftest import ROOT, job_cmd
-
-# Small and fast on 2 cores, same code paths as the real workloads.
-SMALL = ["workload=tiny", "workload.width=8", "workload.image_size=16", "train.device=cpu", "train.log_every=5"]
-
-
-def train(tmp: Path, run_id: str, *args: str, env=None, timeout=240) -> subprocess.CompletedProcess:
-    cmd = job_cmd("train", *SMALL, f"train.run_dir={tmp}", f"train.run_id={run_id}", *args)
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, **(env or {})})
-    return p
-
-
-def final_model(tmp: Path, run_id: str) -> dict:
-    ckpts = sorted((tmp / run_id / "checkpoints").glob("step_*.pt"))
-    assert ckpts, f"no checkpoint in {tmp / run_id}"
-    return torch.load(ckpts[-1], map_location="cpu", weights_only=False)
-
-
-def assert_same_weights(a: dict, b: dict, *, exact: bool, atol: float = 1e-5) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if exact:
-            assert torch.equal(a[k], b[k]), k
-        else:
-            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=1e-4, msg=k)
 
 
 def test_run_writes_run_dir_and_table(tmp_path):
@@ -102,17 +75,6 @@ def test_ddp_two_processes_equal_one_process(tmp_path, accum):
     assert_same_weights(final_model(tmp_path, "one")["model"], final_model(tmp_path, "two")["model"], exact=False)
 
 
-def _wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if path.exists():
-            steps = [json.loads(x)["step"] for x in path.read_text().splitlines() if x.strip()]
-            if steps and steps[-1] >= step:
-                return
-        assert proc.poll() is None, "trainer exited before the signal"
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached")
-
 
 @pytest.mark.parametrize("strategy,sig", [("dp", signal.SIGTERM), ("ddp", signal.SIGUSR1)], ids=["dp-term", "ddp-usr1"])
 def test_interrupt_resume_equals_uninterrupted(tmp_path, strategy, sig):
@@ -123,7 +85,7 @@ def test_interrupt_resume_equals_uninterrupted(tmp_path, strategy, sig):
 
     cmd = job_cmd("train", *SMALL, f"train.run_dir={tmp_path}", "train.run_id=cut", *args)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _wait_for_step(tmp_path / "cut" / "metrics.jsonl", 10, proc)
+    wait_for_step(tmp_path / "cut" / "metrics.jsonl", 10, proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err

@@ -10,8 +10,8 @@ import subprocess
 
 import pytest
 import torch
+from _images_helpers import batch, make_folder
 from conftest import ROOT, job_cmd, requires_gpus
-from test_data_images import batch, make_folder
 
 from job.bench.imagefolder import image_folder
 from job.datasets import STD, BadImage, ImageFolder, SampleIndex

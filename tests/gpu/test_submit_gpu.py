@@ -1,6 +1,6 @@
 """job.submit on real GPUs (submitit's local executor: no Slurm on the GPU machine). Skipped without 2 GPUs.
 
-Run on the 2-GPU machine: .venv/bin/python -m pytest tests/test_submit_gpu.py -v
+Run on the 2-GPU machine: .venv/bin/python -m pytest tests/gpu/test_submit_gpu.py -v
 """
 
 from __future__ import annotations

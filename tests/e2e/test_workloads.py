@@ -15,11 +15,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _train_helpers import assert_same_weights, final_model, wait_for_step
 from conftest import ROOT, job_cmd
-from test_train import _wait_for_step, assert_same_weights, final_model
 
 EXAMPLES = ROOT / "examples"
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parent.parent / "fixtures"
 CPU = ["train.device=cpu", "train.log_every=2", "train.checkpoint_every=0"]
 
 
@@ -65,7 +65,7 @@ STRATEGIES = {"dp": ["strategy=dp"], "balanced": ["strategy=balanced"], "ddp": [
 
 
 # Every example under fsdp (its own blocks are the sharding units), and each under one other strategy, so that
-# every strategy trains a user's workload (the strategies' equality with one process is tests/test_train.py's).
+# every strategy trains a user's workload (the strategies' equality with one process is tests/e2e/test_train.py's).
 PAIRS = [("gpt", "fsdp"), ("tabular", "fsdp"), ("vision", "fsdp"), ("gpt", "ddp"), ("tabular", "balanced"),
          ("vision", "dp")]
 
@@ -130,7 +130,7 @@ def test_sigterm_and_resume_equal_an_uninterrupted_run(tmp_path, data):
     env = {**os.environ, "PYTHONPATH": str(EXAMPLES / "gpt")}
     proc = subprocess.Popen(job_cmd("train", f"train.run_dir={tmp_path / 'runs'}", *args, "train.run_id=cut"),
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    _wait_for_step(tmp_path / "runs" / "cut" / "metrics.jsonl", 5, proc)
+    wait_for_step(tmp_path / "runs" / "cut" / "metrics.jsonl", 5, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 75, err[-3000:]

@@ -1,12 +1,10 @@
-"""job/breakdown.py: each card's memory by kind. The arithmetic over injected sources (job.fakes: NVML with its
-process list, the allocator's counters, the tensors each card holds) for dp-, balanced-, ddp- and fsdp-shaped
-layouts; the strategies' own `memory_tensors` on real CPU tensors; the printed table, the Prometheus series;
-a CPU run of the trainer (summary.json, metrics.jsonl, the table) and a two-rank fsdp run on the CPU.
-The same on a real card, with a tenant process, is tests/test_breakdown_gpu.py."""
+"""job.breakdown on its own: every card's memory split into kinds that add up to its total, against fake NVML,
+allocators and layouts (what the sources cannot say is said, not hidden), memory.cap_gb, the printed table,
+the strategies' tensors per card, and the Prometheus series.
+"""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -14,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _breakdown_helpers import built, nbytes
 from omegaconf import OmegaConf
-from test_train import final_model, train
 
 from job import breakdown, config, devices
 from job.breakdown import KINDS, Memory, Process
@@ -257,26 +255,16 @@ def test_cpu_rows_say_there_is_no_card():
     assert text.splitlines()[-1] == breakdown.NO_CARD
 
 
-# -- the strategies say which tensors are which, on each card -------------------------------------------
-
-def _built(*argv: str):
-    """A built-in workload's model and the workload, through the public interface."""
-    cfg = config.load(list(argv))
-    return config.workload_of(cfg).workload.model(config.workload_settings(cfg)), config.workload_of(cfg).workload
-
-
 TINY_LOSS = config.workload_of(config.load(["workload=tiny"])).workload.loss
 
 
 def _tiny():
     torch.manual_seed(0)
-    model, _ = _built("workload=tiny", "workload.width=8", "workload.image_size=16")
+    model, _ = built("workload=tiny", "workload.width=8", "workload.image_size=16")
     return model, torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,))
 
 
-def _bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
+# -- the strategies say which tensors are which, on each card -------------------------------------------
 
 def test_one_process_strategy_puts_everything_on_its_card():
     from job.strategies.dp import DataParallelStrategy
@@ -290,9 +278,9 @@ def test_one_process_strategy_puts_everything_on_its_card():
     opt.step()
     (card,) = [breakdown.tensor_bytes(g) for g in s.memory_tensors(opt)]
     params = list(model.parameters())
-    assert card["parameters"] == _bytes(params) + _bytes(model.buffers())
-    assert card["gradients"] == _bytes(params)
-    assert card["optimizer_state"] == 2 * _bytes(params) + 4 * len(params)  # exp_avg, exp_avg_sq, a float32 step
+    assert card["parameters"] == nbytes(params) + nbytes(model.buffers())
+    assert card["gradients"] == nbytes(params)
+    assert card["optimizer_state"] == 2 * nbytes(params) + 4 * len(params)  # exp_avg, exp_avg_sq, a float32 step
 
 
 def test_balanced_names_each_replicas_tensors_on_its_card():
@@ -313,9 +301,9 @@ def test_balanced_names_each_replicas_tensors_on_its_card():
         cards = [breakdown.tensor_bytes(g, seen) for g in per_card]
     finally:
         s.teardown()
-    p = _bytes(model.parameters())
+    p = nbytes(model.parameters())
     for k, card in enumerate(cards):
-        assert card["parameters"] == p + _bytes(s.replicas[k].buffers()), k
+        assert card["parameters"] == p + nbytes(s.replicas[k].buffers()), k
         assert p <= card["gradients"] <= p * 1.01, k  # the reducer's buckets, counted whole
         assert card["optimizer_state"] == p, k  # one momentum buffer per parameter of this replica
     ptrs = [{t.untyped_storage().data_ptr() for t in c["parameters"]} for c in per_card]
@@ -401,46 +389,6 @@ def test_a_scrape_serves_what_the_training_thread_measured_after_it_asked():
     m.measure = broken
     m.refresh()  # a failure keeps the last rows, never raises into the loop
     assert m.live() is first
-
-
-# -- through the trainer --------------------------------------------------------------------------------
-
-def test_cpu_run_reports_its_tensors_and_says_it_has_no_card(tmp_path):
-    p = train(tmp_path, "r", "strategy=dp", "train.steps=2", "train.log_every=1")
-    assert p.returncode == 0, p.stderr
-    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
-    (row,) = summary["memory_breakdown"]
-    state = final_model(tmp_path, "r")
-    weights = sum(t.numel() * t.element_size() for t in state["model"].values())  # parameters and buffers
-    momentum = sum(s["momentum_buffer"].numel() * 4 for s in state["optimizer"]["state"].values())  # SGD: one each
-    assert row["kinds"]["parameters"] == weights and row["kinds"]["gradients"] == momentum
-    assert row["kinds"]["optimizer_state"] == momentum and row["kinds"]["activations"] is None
-    records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["memory_breakdown"][0]["kinds"]["parameters"] for r in records] == [weights, weights]
-    out = p.stdout[p.stdout.index("memory by kind"):].splitlines()
-    assert out[0] == "memory by kind, GB (10^9 bytes), at the peak of steps 2-2 (docs/memory-breakdown.md)"
-    assert out[1].split() == ["rank", "device", "params", "grads", "optimizer"] and out[3].split()[:2] == ["0", "cpu"]
-    assert breakdown.NO_CARD in out
-
-
-def test_fsdp_ranks_each_report_their_shards(tmp_path):
-    """Two gloo ranks: each holds about half of every parameter, gradient and AdamW state, and one process's
-    run holds all of it."""
-    lm = ["workload=lm", "workload.layers=2", "workload.d_model=32", "workload.heads=2", "workload.vocab=128",
-          "workload.seq_len=16", "train.steps=1", "train.batch_size=4", "train.optimizer=adamw"]
-    p = train(tmp_path, "fsdp", "strategy=fsdp", "strategy.nprocs=2", *lm)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = json.loads((tmp_path / "fsdp" / "summary.json").read_text())["memory_breakdown"]
-    assert [r["rank"] for r in rows] == [0, 1]
-    model, _ = _built("workload=lm", "workload.layers=2", "workload.d_model=32", "workload.heads=2",
-                      "workload.vocab=128", "workload.seq_len=16")
-    weights = _bytes(model.parameters()) + _bytes(model.buffers())  # parameters() gives the tied embedding once
-    params = [r["kinds"]["parameters"] for r in rows]
-    grads = [r["kinds"]["gradients"] for r in rows]
-    assert weights <= sum(params) <= 1.05 * weights and max(params) < 0.6 * weights  # shards, padded
-    assert max(grads) < 0.6 * weights and sum(grads) >= 0.9 * weights
-    for r in rows:
-        assert 1.9 * r["kinds"]["gradients"] <= r["kinds"]["optimizer_state"] <= 2.1 * r["kinds"]["gradients"] + 1000
 
 
 def test_per_card_table_says_its_headroom_is_against_the_cap():

@@ -1,6 +1,6 @@
 """Grafana dashboards and provisioning, validated offline (Grafana has no server here).
 
-The live half (every query evaluated against the compose stack's Prometheus) is in tests/test_docker.py.
+The live half (every query evaluated against the compose stack's Prometheus) is in tests/infra/test_docker.py.
 """
 
 from __future__ import annotations

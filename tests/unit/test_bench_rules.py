@@ -1,0 +1,398 @@
+"""The bench's rules on their own: bad bench input, the user's overrides, the timed window, the error line,
+the median/range/claim rule, the same-window rule, the result schema, the maxbatch search against a fake
+trial, the tenant's lifecycle, the generated image folder and the code fingerprint; a GPU-shaped result
+document (there is no GPU here) checks the per-card columns and the chart offline.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT
+
+from job.bench.environment import code_fingerprint
+
+try:  # a test dependency (pyproject [test]); the GPU machine may run the GPU test without it
+    import jsonschema
+except ImportError:  # pragma: no cover
+    jsonschema = None
+
+from _bench_helpers import assert_png, validate
+
+from job import bench
+from job.bench.process import error_line
+from job.config import load
+from job.errors import UsageError
+
+
+@pytest.mark.parametrize("args, message", [
+    (["bench.warmup=0"], "bench.warmup=0 must be at least 1"),
+    (["bench.steps=0"], "bench.steps=0 must be at least 1"),
+    (["strategies=[]"], "bench.strategies is empty"),
+    (["bench.workloads=[tiny,gpt5]"], "unknown workload `gpt5` in bench.workloads"),
+    (["bench.scrape_interval_s=0"], "bench.scrape_interval_s=0.0 must be positive"),
+    (["bench.stepz=3"], "did you mean `bench.steps`?"),
+    (["strategies=[dp,nosuch]"], "unknown strategy `nosuch` in bench.strategies; choose from: accum, balanced, balanced-graphs, ddp, dp, fsdp"),
+    (["bench.baseline=nosuch"], "unknown strategy `nosuch` in bench.baseline"),
+    (["bench.repeats=0"], "bench.repeats=0 must be at least 1"),
+    (["bench.mode=fastest"], "`bench.mode=fastest` is not valid; choose one of: compare, maxbatch, profile"),
+    (["bench.mode=profile", "strategies=[dp,ddp]"], "bench.mode=profile profiles one process; ddp runs one"),
+    (["bench.mode=maxbatch", "bench.maxbatch_steps=1"], "bench.maxbatch_steps=1 must be at least 2"),
+    (["bench.maxbatch_precision=1.5"], "bench.maxbatch_precision=1.5 must be in [0, 1)"),
+    (["train.device=cpu", "bench.tenant_gb=2"], "bench.tenant_gb=2 holds memory on a CUDA card, and none is visible"),
+    (["workload=lm", "bench.imagefolder=true"], "bench.imagefolder=true needs a workload that reads data.kind=imagefolder"),
+    (["strategies=[balanced-graphs]", "train.device=cpu"], "no strategy in bench.strategies can run with these "
+     "settings (balanced-graphs: strategy.cuda_graphs=true needs CUDA cards, and train.device=cpu"),
+    (["bench.mode=maxbatch", "bench.maxbatch_key=train.lr"],
+     "bench.maxbatch_key=train.lr cannot be searched; choose one of: train.batch_size, workload.layers"),
+    (["bench.mode=maxbatch", "bench.maxbatch_key=workload.layers", "workload=tiny"],
+     "bench.maxbatch_key=workload.layers searches a workload's depth (its workload.layers setting), and tiny "
+     "has none"),
+])
+def test_bad_bench_input_is_one_line_exit_2(capsys, tmp_path, args, message):
+    from job.__main__ import main
+
+    assert main(["bench", f"bench.out={tmp_path / 'x'}", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+    assert not (tmp_path / "x").exists()  # refused before anything is written
+    assert not (tmp_path / "x").exists()  # nothing started
+
+
+def test_overrides_are_what_the_user_changed_against_the_workload_preset():
+    cfg = load(["workload=lm", "strategy=dp", "train.amp=bf16", "workload.layers=2", "train.steps=7",
+                "train.run_id=x", "bench.steps=3", "strategies=[dp]", "train.batch_size=16"])
+    # train.batch_size=16 is lm's preset value: not an override. Bench keys and picks are not passed on.
+    assert bench.user_overrides(cfg) == {"train.amp": "bf16", "workload.layers": 2}
+    assert bench.user_overrides(load(["workload=resnet50"])) == {}
+    # Against the preset the command line picked, not the lm preset every lm shape shares a name with.
+    assert bench.user_overrides(load(["workload=lm-24x384", "workload.seq_len=64"]), "lm-24x384") == {
+        "workload.seq_len": 64}
+
+
+def test_timed_throughput_uses_the_logged_window():
+    recs = [{"step": 2, "time": 100.0}, {"step": 4, "time": 101.0}, {"step": 10, "time": 104.0}]
+    assert bench.timed_throughput(recs, warmup=2, total=10, batch=32) == pytest.approx(8 * 32 / 4.0)
+    assert bench.timed_throughput(recs, warmup=3, total=10, batch=32) is None  # no record at step 3
+    assert bench.timed_throughput(recs, warmup=2, total=12, batch=32) is None
+
+
+@pytest.mark.parametrize("log, line", [
+    ("step 1\nerror: ddp: micro-batch 15 is not a multiple of 2 ranks\n", "ddp: micro-batch 15 is not a multiple of 2 ranks"),
+    ("Traceback (most recent call last):\n  File x\ntorch.OutOfMemoryError: CUDA out of memory. Tried\n",
+     "torch.OutOfMemoryError: CUDA out of memory. Tried"),
+    ("Traceback (most recent call last):\nRuntimeError: NCCL error\n[rank1] exit 1\n", "RuntimeError: NCCL error"),
+    ("", "no output"),
+])
+def test_error_line(log, line):
+    assert error_line(log) == line
+
+
+def _card(rank, i, peak, reserved, used, tensors=(0.5, 0.5, 1.0)):
+    """A card as the bench reads it from summary.json; its kinds (job/breakdown.py) from the same figures: the
+    parameters, gradients and optimizer state given (GiB), the rest of the peak activations, the cache up to the
+    reserved, the context up to NVML's used."""
+    gb = 1024**3
+    params, grads, state = (int(t * gb) for t in tensors)
+    kinds = {"parameters": params, "gradients": grads, "optimizer_state": state,
+             "activations": int(peak * gb) - params - grads - state, "allocator_cache": int((reserved - peak) * gb),
+             "cuda_context": int((used - reserved) * gb), "other_processes": 0, "unattributed": 0,
+             "free": int((150 - used) * gb)}
+    return {"rank": rank, "device": f"cuda:{i}", "name": "NVIDIA H200", "uuid": f"GPU-{i:08d}-aaaa",
+            "pci_bus_id": f"00000000:{0x18 + i:02X}:00.0", "peak_allocated_bytes": int(peak * gb),
+            "peak_reserved_bytes": int(reserved * gb), "nvml_used_bytes": int(used * gb),
+            "nvml_total_bytes": 150 * gb, "kinds": kinds}
+
+
+def _run(name, kind, strategy, cards, world, sps, *, repeat=1, status="ok", reason=None, window=(10, 60)):
+    """A run row shaped exactly like a real one."""
+    r = {"name": name, "kind": kind, "strategy": strategy, "repeat": repeat, "data": "synthetic", "status": status,
+         "reason": reason, "exit_code": 0 if status == "ok" else 1, "command": ["python", "-m", "job", "train"],
+         "env": {}, "run_dir": "/x", "log": "/x.log", "wall_s": 30.0, "batch_size": 16, "world_size": world,
+         "units": len(cards), "timed_steps": 50, "samples_per_s": sps, "units_per_s": sps * 1024 if sps else None,
+         "step_s": 16 / sps if sps else None, "trainer_samples_per_s": sps, "imbalance": None, "scaling_vs_1": None,
+         "scaling_note": None, "peak_window": list(window) if status == "ok" else None, "window_note": None,
+         "cards": cards, "scrapes_ok": None, "scrapes_failed": None, "params": None}
+    if len(cards) > 1:
+        peaks = [c["peak_allocated_bytes"] for c in cards]
+        r["imbalance"] = max(peaks) / min(peaks)
+    return r
+
+
+def _env() -> dict:
+    return {"date": "2026-11-30T00:00:00+00:00", "hostname": "h", "command": "python -m job bench", "python": "3.11",
+            "platform": "Linux", "cpu": "x", "cpu_count": 32, "torch": "2.14.1", "torch_cuda": "12.8", "cudnn": 91000,
+            "nccl": "2.27.3", "torchvision": "0.29.1", "driver": "570.1", "cuda_driver": "12.8",
+            "gpu_model": "NVIDIA H200", "gpus": [{"name": "NVIDIA H200", "uuid": "GPU-1", "pci_bus_id": "00000000:18:00.0",
+                                                   "memory_total_bytes": 150 * 1024**3}],
+            "cuda_visible_devices": None, "commit": "0" * 40, "commit_dirty": False, "code": "0123456789ab"}
+
+
+def _settings(**kw) -> dict:
+    return {"steps": 50, "warmup": 10, "repeats": 2, "strategies": ["dp", "ddp", "balanced"], "workloads": ["lm"],
+            "baseline": "ddp", "cpu_procs": 2, "overrides": {}, "out": "/x", "imagefolder": False, "tokens": False, "reference": False,
+            "maxbatch": {"key": "train.batch_size", "start": 16, "steps": 3, "trials": 12, "minutes": 30.0,
+                         "precision": 0.05}, **kw}
+
+
+def _gpu_doc() -> dict:
+    """A 2-GPU result document of 2 repeats, shaped exactly like a real run's (no GPU here to make one)."""
+    runs = [_run("1gpu", "baseline", "ddp", [_card(0, 0, 8.6, 9.0, 10.1)], 1, 330.0),
+            _run("dp", "strategy", "dp", [_card(0, 0, 14.1, 15.0, 16.2), _card(0, 1, 3.0, 3.5, 4.1, (0, 0, 0))], 1, 96.0),
+            _run("ddp", "strategy", "ddp", [_card(0, 0, 8.3, 9.0, 10.0), _card(1, 1, 8.3, 9.0, 10.0)], 2, 545.0),
+            _run("balanced", "strategy", "balanced", [], 1, None, status="failed",
+                 reason="torch.OutOfMemoryError: CUDA out of memory"),
+            _run("dp", "strategy", "dp", [_card(0, 0, 14.2, 15.0, 16.2), _card(0, 1, 3.1, 3.5, 4.1, (0, 0, 0))], 1, 98.0, repeat=2),
+            _run("ddp", "strategy", "ddp", [_card(0, 0, 8.3, 9.0, 10.0), _card(1, 1, 8.3, 9.0, 10.0)], 2, 555.0,
+                 repeat=2),
+            _run("balanced", "strategy", "balanced", [], 1, None, repeat=2, status="failed",
+                 reason="torch.OutOfMemoryError: CUDA out of memory"),
+            _run("1gpu", "baseline", "ddp", [_card(0, 0, 8.6, 9.0, 10.1)], 1, 340.0, repeat=2)]
+    summary = bench.summarize(runs, ["1gpu", "dp", "ddp", "balanced"], window=[10, 60])
+    bench.summary_scaling(summary, 2)
+    w = {"workload": "lm", "unit": "tok", "units_per_sample": 1024, "global_batch": 16, "cards": 2, "runs": runs,
+         "summary": summary, "comparisons": bench.comparisons(summary), "telemetry_overhead": None,
+         "imagefolder": None, "tokens": None, "maxbatch": None, "profiles": None}
+    return {"schema": bench.SCHEMA_ID, "mode": "compare", "device": "cuda", "cards": 2, "settings": _settings(),
+            "tenant": {"gb": 80.0, "device": "cuda:0", "pid": 1234}, "environment": _env(), "workloads": [w],
+            "chart": None, "failed": 2}
+
+
+def test_gpu_shaped_results_table_and_chart(tmp_path):
+    doc = _gpu_doc()
+    validate(doc)
+    text = bench.table(doc, doc["workloads"][0])
+    lines = text.splitlines()
+    assert lines[0] == ("== bench lm: global batch 16, 2 GPU(s), 10 warm-up + 50 timed steps, 2 repeat(s) "
+                        "(order rotated each repeat)")
+    assert lines[1].startswith("per-card peaks over the timed steps 11-60")
+    assert lines[2] == ("torch 2.14.1, CUDA 12.8, cuDNN 91000, NCCL 2.27.3, driver 570.1; commit 000000000000, "
+                        "code 0123456789ab")
+    assert lines[3] == "tenant: another process (pid 1234) held 80 GB on cuda:0 during every run"
+    dp = next(x for x in lines if x.startswith("dp "))
+    # per card: median (min-max) of the 2 repeats in MB; equal values once; busiest/least; tok/s; scaling
+    for cell in ("14,490 (14,438-14,541) / 3,123 (3,072-3,174)", "15,360 / 3,584", "16,589 / 4,198",
+                 "4.64x (4.58-4.70)", "99,328 (98,304-100,352)", "14.5%", "1/2"):
+        assert cell in dp, (cell, dp)
+    ddp = next(x for x in lines if x.startswith("ddp "))
+    assert "2/2" in ddp and "1.00x" in ddp and "82.1%" in ddp  # median 550 / (2 x 335) samples/s
+    assert "baseline" in next(x for x in lines if x.startswith("1gpu "))
+    assert "failed: torch.OutOfMemoryError: CUDA out of memory" in next(x for x in lines if x.startswith("balanced"))
+    # dp's and ddp's ranges do not overlap: claims; balanced never ran.
+    assert "  dp / ddp: tok/s 0.18x: ranges do not overlap" in lines
+    assert "  dp / ddp: busiest card's peak allocated 1.70x: ranges do not overlap" in lines
+    assert not any("balanced /" in x for x in lines)
+    # memory by kind per card, GB (10^9 bytes), medians of the repeats: dp's optimizer state only on card 0
+    start = lines.index("memory by kind at the peak, GB (10^9 bytes), median of the repeats (docs/memory-breakdown.md):")
+    assert lines[start + 1].split()[:5] == ["run", "card", "params", "grads", "optimizer"]
+    kinds = {tuple(x.split()[:2]): x.split()[2:] for x in lines[start + 3:start + 8]}
+    gib = 1024**3 / 1e9
+    assert kinds["dp", "cuda:0"][:4] == [f"{0.5 * gib:.2f}", f"{0.5 * gib:.2f}", f"{gib:.2f}", f"{12.15 * gib:.2f}"]
+    assert kinds["dp", "cuda:1"][:4] == ["0.00", "0.00", "0.00", f"{3.05 * gib:.2f}"]
+    assert set(kinds) == {("1gpu", "cuda:0"), ("dp", "cuda:0"), ("dp", "cuda:1"), ("ddp", "cuda:0"), ("ddp", "cuda:1")}
+    assert by_name_cards(doc, "dp")[0]["kinds"]["optimizer_state"]["median"] == 1024**3
+    bench.write_chart(doc, tmp_path / "c.png")
+    assert_png(tmp_path / "c.png")
+
+
+def by_name_cards(doc: dict, name: str) -> list[dict]:
+    return next(r for r in doc["workloads"][0]["summary"] if r["name"] == name)["cards"]
+
+
+def test_same_window_rule_flags_a_run_whose_peaks_cover_other_steps():
+    doc = _gpu_doc()
+    w = doc["workloads"][0]
+    w["runs"][2]["peak_window"] = [12, 60]  # e.g. a strategy that reset its counters itself, after timing began
+    w["summary"] = bench.summarize(w["runs"], ["1gpu", "dp", "ddp", "balanced"], window=[10, 60])
+    validate(doc)
+    by = {r["name"]: r for r in w["summary"]}
+    assert not by["ddp"]["same_window"] and by["dp"]["same_window"]
+    ddp = next(x for x in bench.table(doc, w).splitlines() if x.startswith("ddp "))
+    assert ddp.endswith("ok (peaks over steps [12, 60]: not the timed steps)")
+
+
+def test_spread_and_the_claim_rule():
+    assert bench.spread([3.0, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
+    assert bench.spread([None]) is None
+    fast, slow = bench.spread([10, 11, 12]), bench.spread([5, 6, 7])
+    c = bench.compare("a", "b", "units_per_s", fast, slow)
+    assert (c["ratio"], c["claim"], c["verdict"]) == (11 / 6, True, "ranges do not overlap")
+    touching = bench.compare("a", "b", "units_per_s", bench.spread([7, 9, 12]), slow)  # 7 is in both ranges
+    assert (touching["claim"], touching["verdict"]) == (False, "overlapping")
+    one = bench.compare("a", "b", "units_per_s", bench.spread([100]), slow)
+    assert (one["claim"], one["verdict"]) == (False, "one run each: no claim")
+    assert bench.rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
+    assert bench.rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
+    assert bench.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+
+
+def test_schema_rejects_a_missing_or_mistyped_key():
+    doc = _gpu_doc()
+    del doc["workloads"][0]["runs"][0]["cards"][0]["peak_reserved_bytes"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate(doc)
+    doc = _gpu_doc()
+    doc["workloads"][0]["runs"][1]["samples_per_s"] = "96"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(doc)
+    doc = _gpu_doc()
+    del doc["workloads"][0]["summary"][1]["units_per_s"]["max"]
+    with pytest.raises(jsonschema.ValidationError):
+        validate(doc)
+
+
+# -- maxbatch -----------------------------------------------------------------------------------
+
+
+def fake_trial(limit: int, calls: list, *, error_at: int | None = None, hint: bool = False):
+    def trial(batch: int):
+        calls.append(batch)
+        if error_at is not None and batch >= error_at:
+            return "error", "RuntimeError: NCCL error"
+        if batch <= limit:
+            return "fits", None
+        reason = f"global batch {batch} does not fit: the largest that fits is {limit} (...)" if hint else "oom"
+        return "too_big", reason
+    return trial
+
+
+@pytest.mark.parametrize("limit, start, g, minimum", [
+    (100, 16, 1, 2), (100, 16, 4, 4), (7, 16, 2, 2), (1000, 1, 8, 8), (37, 37, 1, 1), (2, 16, 2, 2), (5, 3, 3, 6)])
+def test_search_finds_the_largest_batch_that_fits(limit, start, g, minimum):
+    calls: list[int] = []
+    res = bench.search_max_batch(fake_trial(limit, calls), start=start, granularity=g, minimum=minimum,
+                                 max_trials=50, deadline_s=1e9)
+    valid = [b for b in range(minimum, 4 * max(limit, start) + 2 * g) if b % g == 0]
+    want = max((b for b in valid if b <= limit), default=None)
+    assert res["largest"] == want, (res, calls)
+    assert res["smallest_too_big"] == min(b for b in valid if b > limit)
+    assert res["exact"] and res["stopped"] is None and not res["error"]
+    assert all(b % g == 0 and b >= minimum for b in calls)  # every trial is a batch the strategy accepts
+    assert len(calls) == len(set(calls)) and len(calls) <= 2 * math.log2(4 * max(limit, start)) + 2
+    assert [t["batch"] for t in res["trials"]] == calls
+
+
+def test_search_bounds_errors_and_hints():
+    calls: list[int] = []
+    # Stops at max_trials: the answer so far is a lower bound, and says why.
+    res = bench.search_max_batch(fake_trial(10_000, calls), start=1, granularity=1, minimum=1, max_trials=4,
+                                 deadline_s=1e9)
+    assert calls == [1, 2, 4, 8] and res["largest"] == 8 and res["smallest_too_big"] is None
+    assert not res["exact"] and "4 trials (bench.maxbatch_trials)" in res["stopped"]
+    # Any other failure stops the search with its error line.
+    calls = []
+    res = bench.search_max_batch(fake_trial(100, calls, error_at=64), start=16, granularity=1, minimum=1,
+                                 max_trials=50, deadline_s=1e9)
+    assert calls == [16, 32, 64] and res["largest"] == 32 and res["error"]
+    assert res["stopped"] == "batch 64: RuntimeError: NCCL error"
+    # The time bound (a fake clock: 10 s per trial).
+    ticks = iter(range(0, 10_000, 10))
+    res = bench.search_max_batch(fake_trial(1000, []), start=1, granularity=1, minimum=1, max_trials=50,
+                                 deadline_s=25, clock=lambda: next(ticks))
+    assert len(res["trials"]) == 2 and "min (bench.maxbatch_minutes)" in res["stopped"]
+    # Precision: bisection stops once the gap is within 25 % of what fits.
+    calls = []
+    res = bench.search_max_batch(fake_trial(100, calls), start=16, granularity=1, minimum=1, max_trials=50,
+                                 deadline_s=1e9, precision=0.25)
+    assert res["largest"] <= 100 < res["smallest_too_big"] <= 1.25 * res["largest"] and len(calls) < 8
+    # The memory plan's refusal names the largest that fits: that is the next trial.
+    calls = []
+    res = bench.search_max_batch(fake_trial(100, calls, hint=True), start=16, granularity=4, minimum=4,
+                                 max_trials=50, deadline_s=1e9)
+    assert calls[:4] == [16, 32, 64, 128] and calls[4] == 100 and res["largest"] == 100 and res["exact"]
+    # Nothing fits.
+    res = bench.search_max_batch(fake_trial(1, []), start=8, granularity=2, minimum=2, max_trials=50, deadline_s=1e9)
+    assert res["largest"] is None and res["smallest_too_big"] == 2 and res["exact"]
+
+
+def test_batch_rule_and_trial_classification():
+    assert bench.batch_rule(multi_process=True, ranks=2, cards=2, accum=4, split=None) == (8, 8)
+    assert bench.batch_rule(multi_process=True, ranks=2, cards=2, accum=4, split="even") == (8, 8)
+    assert bench.batch_rule(multi_process=True, ranks=2, cards=2, accum=1, split="auto") == (1, 2)
+    assert bench.batch_rule(multi_process=False, ranks=1, cards=2, accum=2, split="auto") == (2, 4)
+    assert bench.batch_rule(multi_process=False, ranks=1, cards=0, accum=1, split=None) == (1, 1)
+    # The trainer's and the memory plan's real wording.
+    oom = "CUDA out of memory. Tried to allocate 2.00 GiB; lower train.batch_size, or try train.amp=bf16"
+    plan = ("global batch 512 does not fit: the largest that fits is 320 (320 per micro-step x 1 accumulation "
+            "steps); cuda:0 60.1 GB free of 150.0 GB, fits 96")
+    cpu = "RuntimeError: [enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory"
+    assert bench.classify_trial(0, None) == "fits"
+    assert bench.classify_trial(2, oom) == bench.classify_trial(1, oom) == "too_big"
+    assert bench.classify_trial(2, plan) == bench.classify_trial(1, cpu) == "too_big"
+    assert bench.classify_trial(1, plan) == "error"  # "does not fit" counts only as the plan's refusal (exit 2)
+    assert bench.classify_trial(2, "ddp: micro-batch 15 is not a multiple of 2 ranks") == "error"
+    assert bench.classify_trial(75, oom) == "error" and bench.classify_trial(None, oom) == "error"
+
+
+def test_tenant_holds_memory_until_stopped():
+    t = bench.Tenant(0.2, "cpu").start()  # on a CPU here; cuda:0 on the device
+    try:
+        rss = next(int(x.split()[1]) for x in Path(f"/proc/{t.pid}/status").read_text().splitlines()
+                   if x.startswith("VmRSS")) * 1024
+        assert rss > 0.2e9 and t.proc.poll() is None
+    finally:
+        t.stop()
+    assert t.proc.poll() is not None
+    with pytest.raises(UsageError, match=r"could not hold 1e\+06 GB on cpu .*lower bench.tenant_gb"):
+        bench.Tenant(1e6, "cpu").start()
+    # A bench that dies without stopping it (SIGKILL, os._exit): the tenant sees its pipe close and exits.
+    code = "import os\nfrom job.bench import Tenant\nprint(Tenant(0.05, 'cpu').start().pid, flush=True)\nos._exit(9)"
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    pid = int(p.stdout.split()[0])
+    deadline = time.monotonic() + 60
+    while _alive(pid):
+        assert time.monotonic() < deadline, f"tenant {pid} outlived the bench"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+
+
+# -- imagefolder --------------------------------------------------------------------------------
+
+
+def test_image_folder_is_generated_once_and_reused(tmp_path):
+    from PIL import Image
+
+    info = bench.image_folder(tmp_path / "img", 12, seed=3)
+    files = sorted((tmp_path / "img").rglob("*.jpg"))
+    assert len(files) == 12 and len({f.parent.name for f in files}) == 10 and info["generated_s"] is not None
+    for f in files:
+        with Image.open(f) as im:
+            assert im.format == "JPEG" and max(im.size) == 500 and 333 <= min(im.size) <= 375  # ImageNet's shapes
+    assert info["bytes"] == sum(f.stat().st_size for f in files)
+    before = [f.stat().st_mtime_ns for f in files]
+    again = bench.image_folder(tmp_path / "img", 12, seed=3)
+    assert again["generated_s"] is None and [f.stat().st_mtime_ns for f in files] == before
+    assert len(list((tmp_path / "img").rglob("*.jpg"))) == 12
+    assert bench.image_folder(tmp_path / "img", 20, seed=3)["generated_s"] is not None  # other settings: remade
+    assert len(list((tmp_path / "img").rglob("*.jpg"))) == 20
+
+
+def test_code_fingerprint_names_the_code_and_git_commit_names_a_copy(tmp_path, monkeypatch):
+    """A copy whose .git is stale still names its code: the fingerprint follows every .py/.yaml under job/
+    (not caches, not other files), and GIT_COMMIT, when set, is the commit the result records."""
+    from job.bench import environment
+
+    (tmp_path / "job" / "conf").mkdir(parents=True)
+    (tmp_path / "job" / "a.py").write_text("x = 1\n")
+    (tmp_path / "job" / "conf" / "base.yaml").write_text("train: {}\n")
+    first = code_fingerprint(tmp_path)
+    assert len(first) == 12 and first == code_fingerprint(tmp_path)
+    (tmp_path / "job" / "__pycache__").mkdir()
+    (tmp_path / "job" / "__pycache__" / "a.cpython-311.pyc").write_bytes(b"\0")
+    (tmp_path / "job" / "notes.txt").write_text("ignored")
+    assert code_fingerprint(tmp_path) == first
+    (tmp_path / "job" / "conf" / "base.yaml").write_text("train: {steps: 2}\n")
+    assert code_fingerprint(tmp_path) != first
+    monkeypatch.setenv("GIT_COMMIT", "a" * 40)
+    assert environment._git_commit() == ("a" * 40, None)

@@ -1,0 +1,87 @@
+"""job.data's pieces on their own: which global sample ids a process trains, and in which order the items of a
+data set are visited, so that a resumed, re-split or re-accumulated run sees the same samples."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from job import data
+from job.datasets import SampleIndex
+from job.errors import UsageError
+
+
+def test_the_shares_of_a_micro_batch_tile_it_and_a_resume_continues_the_stream():
+    mb = 12
+    # any split over the ranks (job.memplan's shares) covers the micro-batch once, in order
+    for shares in ([12], [6, 6], [5, 7], [1, 3, 8]):
+        ids, offset = [], 0
+        for count in shares:
+            ids += list(data.sample_ids(3, mb, offset=offset, count=count))
+            offset += count
+        assert ids == list(range(3 * mb, 4 * mb))
+    # a run resumed at sample 36 (base) trains what the uninterrupted run trained from its 4th micro-batch on
+    assert data.sample_ids(0, mb, base=36) == data.sample_ids(3, mb)
+    # the same samples under accumulation 2 (micro-batch 6) as under 1 (micro-batch 12)
+    assert [*data.sample_ids(6, 6), *data.sample_ids(7, 6)] == list(data.sample_ids(3, 12))
+
+
+def test_each_epoch_visits_every_item_once_in_its_own_seeded_order():
+    items = [10, 11, 12, 13, 14, 15, 16]
+    order = data.EpochOrder(items, seed=3)
+    first, second = order(range(0, 7)), order(range(7, 14))
+    assert sorted(first) == items and sorted(second) == items
+    assert list(first) != list(second)  # a fresh permutation per epoch
+    assert all(isinstance(s, SampleIndex) for s in first)
+    assert [s.sample_id for s in second] == list(range(7, 14)) and {s.seed for s in second} == {3}
+    # the item of a sample id does not depend on how the ids were asked for (micro-batch, resume, rank)
+    again = data.EpochOrder(items, seed=3)
+    pieces = [*again(range(9, 14)), *again(range(0, 9))]
+    assert [int(s) for s in pieces] == [int(s) for s in (*second[2:], *first, *second[:2])]
+    assert [int(s) for s in data.EpochOrder(items, seed=4)(range(7))] != [int(s) for s in first]
+
+
+def test_the_batch_sampler_resumed_at_a_position_yields_the_rest_of_the_stream():
+    items = list(range(20))
+
+    def stream(start: int, micro_batch: int, offset: int, count: int, n: int) -> list[list[int]]:
+        it = iter(data._BatchSampler(data.EpochOrder(items, seed=1), start=start, micro_batch=micro_batch,
+                                     offset=offset, count=count))
+        return [[int(s) for s in next(it)] for _ in range(n)]
+
+    whole = stream(0, 8, 0, 8, 6)  # 48 samples: over two epochs of 20 items
+    assert stream(16, 8, 0, 8, 4) == whole[2:]  # resumed after two micro-batches
+    halves = list(zip(stream(0, 8, 0, 3, 6), stream(0, 8, 3, 5, 6)))  # two ranks, shares 3 and 5
+    assert [a + b for a, b in halves] == whole
+
+
+def test_the_held_out_split_is_fixed_disjoint_and_refuses_an_empty_side():
+    train, val = data.held_out_split(50, 0.2, path="d")
+    assert len(val) == 10 and sorted(train + val) == list(range(50)) and not set(train) & set(val)
+    assert (train, val) == data.held_out_split(50, 0.2, path="d")  # not the run's seed: every run holds out the same
+    with pytest.raises(UsageError, match=r"data.val_fraction=0.01 of the 50 samples in d leaves no held-out samples"):
+        data.held_out_split(50, 0.01, path="d")
+    with pytest.raises(UsageError, match="leaves no training samples"):
+        data.held_out_split(50, 0.999, path="d")
+
+
+def test_the_synthetic_pool_gives_a_sample_id_the_same_sample_however_the_batch_is_cut():
+    class Pool(data.SyntheticPool):
+        def __init__(self):  # a pool without a workload: 5 samples
+            self.x, self.y, self.size = torch.arange(5.0).view(5, 1) * 10, torch.arange(5), 5
+
+    pool = Pool()
+    x, y = pool.batch(range(3, 11))
+    a, b = pool.batch(range(3, 6)), pool.batch(range(6, 11))
+    assert torch.equal(torch.cat([a[0], b[0]]), x) and torch.equal(torch.cat([a[1], b[1]]), y)
+    assert torch.equal(x[:, 0], y.float() * 10)  # inputs and targets stay paired
+    assert len(set(pool.batch(range(0, 5))[1].tolist())) == 5  # one pass of the pool visits every sample
+
+
+def test_a_pair_that_is_not_x_and_y_of_n_samples_is_one_line():
+    good = torch.zeros(4, 3), torch.zeros(4)
+    assert data._check_pair("w", "example_batch", good, 4) == good
+    with pytest.raises(UsageError, match=r"workload `w`: example_batch gave Tensor, not an \(x, y\) pair"):
+        data._check_pair("w", "example_batch", torch.zeros(4), 4)
+    with pytest.raises(UsageError, match=r"gave x of shape \(4, 3\) and y of shape \(5,\) for 4 samples"):
+        data._check_pair("w", "example_batch", (torch.zeros(4, 3), torch.zeros(5)), 4)
