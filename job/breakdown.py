@@ -75,7 +75,7 @@ class Process:
 
 def nvml_processes(nvml, handle) -> list[Process] | None:
     """Every process NVML lists on the card (compute and graphics, each pid once); None if it cannot list them."""
-    from job.devices import _text
+    from job.devices import nvml_text
 
     found: dict[int, int | None] = {}
     try:
@@ -96,7 +96,7 @@ def nvml_processes(nvml, handle) -> list[Process] | None:
     out = []
     for pid, used in sorted(found.items()):
         try:
-            name = _text(nvml.nvmlSystemGetProcessName(pid)) or None
+            name = nvml_text(nvml.nvmlSystemGetProcessName(pid)) or None
         except Exception:  # another container's process, or one that just ended
             name = None
         out.append(Process(pid, name, used))
@@ -241,7 +241,7 @@ class Memory:
         """(used, total, free, processes) of the card from NVML; None when NVML cannot answer."""
         from job import devices
 
-        nv = devices._nvml(self._nvml)
+        nv = devices.nvml_or_default(self._nvml)
         if nv is None:
             return None
         try:

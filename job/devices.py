@@ -77,11 +77,11 @@ def default_nvml():
         return pynvml
 
 
-def _nvml(nvml):
+def nvml_or_default(nvml):
     return default_nvml() if nvml is None else nvml
 
 
-def _text(value) -> str:
+def nvml_text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -106,17 +106,17 @@ def nvml_inventory(nvml) -> list[NvmlCard]:
     for i in range(nvml.nvmlDeviceGetCount()):
         try:
             h = nvml.nvmlDeviceGetHandleByIndex(i)
-            uuid = _text(nvml.nvmlDeviceGetUUID(h))
-            pci = _text(nvml.nvmlDeviceGetPciInfo(h).busId)
-            name = _text(nvml.nvmlDeviceGetName(h))
+            uuid = nvml_text(nvml.nvmlDeviceGetUUID(h))
+            pci = nvml_text(nvml.nvmlDeviceGetPciInfo(h).busId)
+            name = nvml_text(nvml.nvmlDeviceGetName(h))
         except Exception as e:
             log.warning("NVML cannot identify card %d (%s); it is left out", i, e)
             continue
-        cards.append(NvmlCard(i, uuid, pci, name, _mig_uuids(nvml, h)))
+        cards.append(NvmlCard(i, uuid, pci, name, mig_uuids(nvml, h)))
     return cards
 
 
-def _mig_uuids(nvml, handle) -> tuple[str, ...]:
+def mig_uuids(nvml, handle) -> tuple[str, ...]:
     try:
         current, _pending = nvml.nvmlDeviceGetMigMode(handle)
         if not current:
@@ -124,7 +124,7 @@ def _mig_uuids(nvml, handle) -> tuple[str, ...]:
         out = []
         for j in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
             try:
-                out.append(_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j))))
+                out.append(nvml_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j))))
             except Exception:  # empty slot: NVML_ERROR_NOT_FOUND
                 continue
         return tuple(out)
@@ -132,7 +132,7 @@ def _mig_uuids(nvml, handle) -> tuple[str, ...]:
         return ()
 
 
-def _pci_key(bus_id: str) -> tuple[int, int, int, int]:
+def pci_key(bus_id: str) -> tuple[int, int, int, int]:
     """Sort key for "00000000:3B:00.0" (CUDA's PCI_BUS_ID order: domain, bus, device, function)."""
     m = re.match(r"^([0-9a-fA-F]+):([0-9a-fA-F]+):([0-9a-fA-F]+)\.([0-9a-fA-F]+)$", bus_id.strip())
     if not m:
@@ -175,7 +175,7 @@ def resolve_visible(value: str, nvml) -> list[str]:
     NVML's enumeration order.
     """
     entries = parse_visible(value)
-    cards = sorted(nvml_inventory(nvml), key=lambda c: _pci_key(c.pci_bus_id))
+    cards = sorted(nvml_inventory(nvml), key=lambda c: pci_key(c.pci_bus_id))
     valid = _describe(cards) if cards else "none"
     migs = {m.lower(): m for c in cards for m in c.mig_uuids}
     chosen: list[str] = []
@@ -225,7 +225,7 @@ def prepare_environment(environ: MutableMapping[str, str] = os.environ, *, nvml=
         environ[ORDER_VAR] = "PCI_BUS_ID"
     value = environ.get(VISIBLE_VAR)
     if value is not None:
-        nv = _nvml(nvml)
+        nv = nvml_or_default(nvml)
         if nv is None:
             parse_visible(value)  # no driver: syntax and duplicates only
         else:
@@ -278,7 +278,7 @@ def _torch_pci(props) -> str:
     return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"
 
 
-def _hex(uuid: str) -> str:
+def bare_uuid(uuid: str) -> str:
     """The bare UUID, so that torch's "8a4f..." matches NVML's "GPU-8a4f..." and "MIG-8a4f..."."""
     u = uuid.lower()
     for prefix in ("gpu-", "mig-"):
@@ -318,19 +318,19 @@ def _visible_cards(nvml, cuda) -> list[Card]:
     if not cuda.is_available():
         return []
     by_uuid: dict[str, tuple[NvmlCard, str]] = {}
-    nv = _nvml(nvml)
+    nv = nvml_or_default(nvml)
     if nv is not None:
         try:
             for c in nvml_inventory(nv):
-                by_uuid[_hex(c.uuid)] = (c, c.uuid)
+                by_uuid[bare_uuid(c.uuid)] = (c, c.uuid)
                 for m in c.mig_uuids:
-                    by_uuid[_hex(m)] = (c, m)
+                    by_uuid[bare_uuid(m)] = (c, m)
         except Exception as e:
             log.warning("NVML cannot list cards (%s); card identity comes from torch alone", e)
     cards = []
     for i in range(cuda.device_count()):
         props = cuda.get_device_properties(i)
-        torch_uuid = _hex(str(props.uuid))
+        torch_uuid = bare_uuid(str(props.uuid))
         hit = by_uuid.get(torch_uuid)
         if hit is None:
             if by_uuid:
@@ -348,7 +348,7 @@ _handles: dict[tuple[int, str], Any] = {}
 def card_memory(card: Card, *, nvml=None) -> tuple[int, int] | None:
     """(used, total) bytes of the card as NVML sees them (all processes); None if NVML cannot answer."""
     try:
-        nv = _nvml(nvml)
+        nv = nvml_or_default(nvml)
         if nv is None:
             return None
         key = (id(nv), card.uuid)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from job.devices import _hex, _pci_key, _text
+from job.devices import bare_uuid, nvml_text, pci_key
 
 
 class FakeNvmlError(Exception):
@@ -106,7 +106,7 @@ class FakeNvml:
         self._check("nvmlDeviceGetHandleByUUID")
         for c in self.cards:
             for h in (c, *c.migs):
-                if h.uuid == _text(uuid):
+                if h.uuid == nvml_text(uuid):
                     return h
         raise FakeNvmlError("Not Found")
 
@@ -194,8 +194,8 @@ class FakeCuda:
         out = []
         for u in uuids:
             parent, h = cards[u]
-            dom, bus, dev, _fn = _pci_key(parent.pci_bus_id)
-            out.append(FakeCudaProps(_hex(h.uuid), dom, bus, dev, h.name))
+            dom, bus, dev, _fn = pci_key(parent.pci_bus_id)
+            out.append(FakeCudaProps(bare_uuid(h.uuid), dom, bus, dev, h.name))
         return FakeCuda(out)
 
 

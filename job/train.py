@@ -304,7 +304,7 @@ class Trainer:
         """Split each micro-batch over the cards from their free memory and the job's measured cost."""
         c, t = self.cfg, self.cfg.train
         rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None)
-        ctx = memplan.Context(
+        planning = memplan.Context(
             micro_batch=self.micro_batch, accum_steps=t.accum_steps, margin_gb=c.memory.margin_gb,
             cap_gb=list(c.memory.cap_gb), loss_fn=self.workload.loss, precision=self.precision,
             run_dir=self.run_dir, make_batch=lambda b, d: self.data.probe_batch(b, d, channels_last=t.channels_last),
@@ -312,7 +312,7 @@ class Trainer:
             (lambda params: memplan.optimizer_state_bytes(params, t.optimizer, t.momentum)),
             key=_plan_key(c, self.env.world_size, self.micro_batch),
         )
-        plan = self.strategy.plan_memory(ctx)
+        plan = self.strategy.plan_memory(planning)
         # Probes draw random inputs: the training stream must not depend on whether they ran.
         torch.set_rng_state(rng[0])
         if rng[1] is not None:

@@ -5,7 +5,7 @@ user's overrides.yaml, the workload, the strategy, the bench's own keys), checks
 (a refused run is a row with its reason, nothing started), starts it in its own session, logs it to
 logs/<run>.log, stops it at its time limit, and reads what it measured (metrics.jsonl and summary.json;
 what they hold is in job/bench/__init__.py) into one row of bench.json. `Runs` also holds what the modes
-read about the bench: its settings (`b`), the cards, the output folders, failures and interruption.
+read about the bench: its settings (the bench.* section), the cards, the output folders, failures and interruption.
 """
 
 from __future__ import annotations
@@ -103,13 +103,14 @@ class _Scraper(threading.Thread):
 class Runs:
     """The bench's child runs, one at a time, and what the modes read about the bench.
 
-    b: the bench.* settings; cuda: visible GPUs (0 on a CPU); cards: GPUs, or the processes standing in
-    for them; overrides: the user's key=values every run gets; out: the output folder; images_dir and
-    tokens_dir: where the generated files go; failed: runs and searches that failed; interrupted: set by
-    the first SIGINT/SIGTERM (`interrupt`), after which no run starts."""
+    settings: the bench.* section of the config; cuda: visible GPUs (0 on a CPU); cards: GPUs, or the
+    processes standing in for them; overrides: the user's key=values every run gets; out: the output folder;
+    images_dir and tokens_dir: where the generated files go; failed: runs and searches that failed;
+    interrupted: set by the first SIGINT/SIGTERM (`interrupt`), after which no run starts."""
 
-    def __init__(self, b, *, cuda: int, cards: int, overrides: dict, out: Path, images_dir: Path, tokens_dir: Path):
-        self.b, self.cuda, self.cards, self.overrides = b, cuda, cards, overrides
+    def __init__(self, settings, *, cuda: int, cards: int, overrides: dict, out: Path, images_dir: Path,
+                 tokens_dir: Path):
+        self.settings, self.cuda, self.cards, self.overrides = settings, cuda, cards, overrides
         self.out, self.images_dir, self.tokens_dir = out, images_dir, tokens_dir
         self.failed = 0
         self.interrupted = False
@@ -125,7 +126,7 @@ class Runs:
                 "train.resume=overwrite", f"train.run_dir={self.out / 'runs'}", f"train.run_id={run_id}"]
         if not self.cuda and "strategy.nprocs" not in self.overrides and not any(
                 e.startswith("strategy.nprocs=") for e in extra):
-            args.append(f"strategy.nprocs={self.b.cpu_procs}")
+            args.append(f"strategy.nprocs={self.settings.cpu_procs}")
         return args + list(extra)
 
     def first_card(self) -> str:
@@ -151,8 +152,8 @@ class Runs:
         if self.interrupted:
             row["reason"] = "the benchmark was interrupted before this run"
             return row
-        warmup = self.b.warmup if spec.warmup is None else spec.warmup
-        steps = self.b.steps if spec.steps is None else spec.steps
+        warmup = self.settings.warmup if spec.warmup is None else spec.warmup
+        steps = self.settings.steps if spec.steps is None else spec.steps
         run_id = spec.run_id or f"{spec.workload}-{spec.name}"
         args = self.args(spec.workload, spec.strategy, run_id, list(spec.extra), warmup=warmup, steps=steps)
         try:
@@ -171,7 +172,7 @@ class Runs:
         log_path = logs / f"{run_id}.log"
         row["run_dir"], row["log"] = str(run_dir), str(log_path)
         log.info("bench: %-22s running (%s)", spec.name, shlex.join(args[2:]))
-        limit = self.b.timeout_min * 60 if spec.timeout_s is None else min(spec.timeout_s, self.b.timeout_min * 60)
+        limit = self.settings.timeout_min * 60 if spec.timeout_s is None else min(spec.timeout_s, self.settings.timeout_min * 60)
         start = time.monotonic()
         code, timed_out = self._wait([sys.executable, *command], spec, row, log_path, limit)
         row["wall_s"] = round(time.monotonic() - start, 3)
@@ -222,7 +223,7 @@ class Runs:
                 env={**plain_env(), **spec.env, "PYTHONUNBUFFERED": "1"},
             )
             if spec.scrape_port is not None:
-                scraper = _Scraper(f"http://127.0.0.1:{spec.scrape_port}/metrics", self.b.scrape_interval_s)
+                scraper = _Scraper(f"http://127.0.0.1:{spec.scrape_port}/metrics", self.settings.scrape_interval_s)
                 scraper.start()
             try:
                 return self._child.wait(timeout=limit), False

@@ -170,45 +170,45 @@ def bench_workload(bench: Runs, workload: str) -> dict[str, Any]:
     from job import config as config_mod
 
     ref_cfg = bench.ref_cfg(workload)
-    spec = config_mod.workload_of(ref_cfg).workload
+    definition = config_mod.workload_of(ref_cfg).workload
     global_batch = int(ref_cfg.train.batch_size)
     n = bench.cards
     label = "1gpu" if bench.cuda else "1proc"
     # (name, kind, strategy, extra args, env), or a row when the plan is refused up front.
     plan: list[tuple] = []
-    baseline = bench.b.baseline not in ("", "none")
+    baseline = bench.settings.baseline not in ("", "none")
     one_card = {"CUDA_VISIBLE_DEVICES": bench.first_card()} if bench.cuda else {}  # the baseline's and the loop's
     if baseline:
         if global_batch % n:
-            row = empty_run(label, "baseline", bench.b.baseline)
+            row = empty_run(label, "baseline", bench.settings.baseline)
             row["reason"] = (f"global batch {global_batch} is not a multiple of {n} cards, so the 1-card "
                              f"baseline cannot have the same per-card batch; use train.batch_size={n}·k")
             log.info("bench: %-22s skipped: %s", label, row["reason"])
             plan.append(row)
         else:
-            plan.append((label, "baseline", bench.b.baseline,
+            plan.append((label, "baseline", bench.settings.baseline,
                          [f"train.batch_size={global_batch // n}", "strategy.nprocs=1"], one_card))
-    if bench.b.reference:
+    if bench.settings.reference:
         # The loop ignores the strategy; the baseline's keeps the command one the trainer accepts.
         # It trains the global batch on one card, as the one-card rows it is compared with do.
-        plan.append(("loop", "reference", bench.b.baseline if baseline else "ddp", ["strategy.nprocs=1"], one_card))
-    for s in bench.b.strategies:
+        plan.append(("loop", "reference", bench.settings.baseline if baseline else "ddp", ["strategy.nprocs=1"], one_card))
+    for s in bench.settings.strategies:
         plan.append((s, "strategy", s, [], {}))
     images = tokens = None
-    if bench.b.imagefolder and "imagefolder" in spec.kinds():
-        images = image_folder(bench.images_dir, bench.b.imagefolder_images, seed=int(ref_cfg.train.seed))
-        for s in bench.b.strategies:
+    if bench.settings.imagefolder and "imagefolder" in definition.kinds():
+        images = image_folder(bench.images_dir, bench.settings.imagefolder_images, seed=int(ref_cfg.train.seed))
+        for s in bench.settings.strategies:
             plan.append((f"{s}+imagefolder", "imagefolder", s, _file_args(bench, s, "imagefolder", images["path"]), {}))
-    if bench.b.tokens and "tokens" in spec.kinds():
+    if bench.settings.tokens and "tokens" in definition.kinds():
         w = ref_cfg.workload
         # Enough windows that no timed step reads a window twice: the file is read as a real one would be.
-        needed = (bench.b.warmup + bench.b.steps + 1) * global_batch * int(w.seq_len) + 1
+        needed = (bench.settings.warmup + bench.settings.steps + 1) * global_batch * int(w.seq_len) + 1
         tokens = token_file(bench.tokens_dir, tokens=needed, vocab=int(w.vocab), seed=int(ref_cfg.train.seed))
-        for s in bench.b.strategies:
+        for s in bench.settings.strategies:
             plan.append((f"{s}+tokens", "tokens", s, _file_args(bench, s, "tokens", tokens["path"],
                                                                f"data.token_dtype={tokens['dtype']}"), {}))
     runs: list[dict] = []
-    for rep in range(bench.b.repeats):
+    for rep in range(bench.settings.repeats):
         for item in rotated(plan, rep):
             if isinstance(item, dict):
                 if rep == 0:
@@ -221,9 +221,9 @@ def bench_workload(bench: Runs, workload: str) -> dict[str, Any]:
         if bench.interrupted:  # this repeat's other runs are listed as not run; no further repeats
             break
     _scaling(runs, n)
-    overhead = _telemetry_overhead(bench, workload, runs) if bench.b.telemetry_overhead else None
+    overhead = _telemetry_overhead(bench, workload, runs) if bench.settings.telemetry_overhead else None
     names = [p["name"] if isinstance(p, dict) else p[0] for p in plan]
-    summary = summarize(runs, names, window=[bench.b.warmup, bench.b.warmup + bench.b.steps])
+    summary = summarize(runs, names, window=[bench.settings.warmup, bench.settings.warmup + bench.settings.steps])
     summary_scaling(summary, n)
     return workload_result(workload, ref_cfg, cards=n, runs=runs, summary=summary,
                            comparisons=comparisons(summary), telemetry_overhead=overhead, imagefolder=images,
@@ -241,9 +241,9 @@ def _file_args(bench: Runs, strategy: str, kind: str, path: str, *more: str) -> 
 
 
 def _telemetry_overhead(bench: Runs, workload: str, runs: list[dict]) -> dict[str, Any]:
-    s = bench.b.telemetry_strategy
+    s = bench.settings.telemetry_strategy
     off, on, off_runs, on_runs, scrapes = [], [], [], [], 0
-    for i in range(1, bench.b.telemetry_repeats + 1):
+    for i in range(1, bench.settings.telemetry_repeats + 1):
         a = None
         if i == 1 and not bench.overrides.get("telemetry.port"):
             # The strategy's own run had telemetry off and otherwise the same command: it is the
@@ -271,6 +271,6 @@ def _telemetry_overhead(bench: Runs, workload: str, runs: list[dict]) -> dict[st
         note = "the exporter was never scraped successfully: the 'on' runs measure serving without scrapes"
     off_m = statistics.median(off) if off else None
     on_m = statistics.median(on) if on else None
-    return {"strategy": s, "repeats": bench.b.telemetry_repeats, "scrape_interval_s": float(bench.b.scrape_interval_s),
+    return {"strategy": s, "repeats": bench.settings.telemetry_repeats, "scrape_interval_s": float(bench.settings.scrape_interval_s),
             "off_runs": off_runs, "on_runs": on_runs, "off_step_s": off, "on_step_s": on, "off_median_step_s": off_m, "on_median_step_s": on_m,
             "overhead": (on_m / off_m - 1) if off else None, "scrapes_ok": scrapes, "note": note}

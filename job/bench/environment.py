@@ -50,12 +50,12 @@ def code_fingerprint(root: Path = ROOT) -> str:
 
 def _driver() -> tuple[str | None, str | None]:
     """(driver version, CUDA version the driver supports), from NVML, else nvidia-smi."""
-    from job.devices import _text, default_nvml
+    from job.devices import default_nvml, nvml_text
 
     nv = default_nvml()
     if nv is not None:
         try:
-            drv = _text(nv.nvmlSystemGetDriverVersion())
+            drv = nvml_text(nv.nvmlSystemGetDriverVersion())
             cuda = None
             with contextlib.suppress(Exception):
                 v = int(nv.nvmlSystemGetCudaDriverVersion_v2())

@@ -120,7 +120,7 @@ def maxbatch_workload(bench: Runs, workload: str) -> dict[str, Any]:
     ref_cfg = bench.ref_cfg(workload)
     runs: list[dict] = []
     results = []
-    for s in bench.b.strategies:
+    for s in bench.settings.strategies:
         if bench.interrupted:
             break
         results.append(_search(bench, workload, s, ref_cfg, runs))
@@ -130,7 +130,7 @@ def maxbatch_workload(bench: Runs, workload: str) -> dict[str, Any]:
 def _search(bench: Runs, workload: str, strategy: str, ref_cfg, runs: list[dict]) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
-    key = bench.b.maxbatch_key
+    key = bench.settings.maxbatch_key
     if key == "train.batch_size":
         probe = config_mod.load(bench.args(workload, strategy, "probe", [], warmup=1, steps=1))
         multi = multi_process(strategy)
@@ -140,15 +140,15 @@ def _search(bench: Runs, workload: str, strategy: str, ref_cfg, runs: list[dict]
                                 split=OmegaConf.select(probe, "strategy.split", default=None))
     else:  # any depth of at least one block
         g, minimum = 1, 1
-    start = bench.b.maxbatch_start or int(OmegaConf.select(ref_cfg, key))
-    budget_s = bench.b.maxbatch_minutes * 60
+    start = bench.settings.maxbatch_start or int(OmegaConf.select(ref_cfg, key))
+    budget_s = bench.settings.maxbatch_minutes * 60
     t0 = time.monotonic()
     by_batch: dict[int, dict] = {}
 
     def trial(batch: int) -> tuple[str, str | None]:
         left = budget_s - (time.monotonic() - t0)
         row = bench.run(RunSpec(workload, f"{strategy}@{batch}", "maxbatch_trial", strategy,
-                                extra=(f"{key}={batch}",), warmup=1, steps=bench.b.maxbatch_steps - 1,
+                                extra=(f"{key}={batch}",), warmup=1, steps=bench.settings.maxbatch_steps - 1,
                                 timeout_s=max(60.0, left), trial=True))
         runs.append(row)
         by_batch[batch] = row
@@ -163,8 +163,8 @@ def _search(bench: Runs, workload: str, strategy: str, ref_cfg, runs: list[dict]
 
     log.info("bench: maxbatch %s: %s of %d x k, at least %d, from %d", strategy, key, g, minimum, start)
     res = search_max_batch(trial, start=start, granularity=g, minimum=minimum,
-                           max_trials=bench.b.maxbatch_trials, deadline_s=budget_s,
-                           precision=bench.b.maxbatch_precision)
+                           max_trials=bench.settings.maxbatch_trials, deadline_s=budget_s,
+                           precision=bench.settings.maxbatch_precision)
     for t in res["trials"]:
         row = by_batch.get(t["batch"])
         t["run"] = row["name"] if row else None

@@ -182,13 +182,13 @@ def profile_workload(bench: Runs, workload: str) -> dict[str, Any]:
     """profile: one profiled process per strategy; its profile-<workload>-<strategy>.json joins the result."""
     ref_cfg = bench.ref_cfg(workload)
     runs, profiles = [], []
-    total = bench.b.warmup + bench.b.profile_steps
-    for s in bench.b.strategies:
+    total = bench.settings.warmup + bench.settings.profile_steps
+    for s in bench.settings.strategies:
         if bench.interrupted:
             break
         out = bench.out / f"profile-{workload}-{s}"
         row = bench.run(RunSpec(workload, f"profile-{s}", "profile", s, program="profile",
-                                extra=(f"train.log_every={total}",), steps=bench.b.profile_steps,
+                                extra=(f"train.log_every={total}",), steps=bench.settings.profile_steps,
                                 env={PROFILE_ENV: str(out)}))
         runs.append(row)
         if row["status"] == "ok":

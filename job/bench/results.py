@@ -195,8 +195,8 @@ def workload_result(workload: str, ref_cfg, *, cards: int, runs: list[dict], sum
     starts from it. The fields of the other modes stay empty (summary, comparisons) or None."""
     from job import config as config_mod
 
-    spec = config_mod.workload_of(ref_cfg).workload
-    return {"workload": workload, "unit": spec.unit, "units_per_sample": spec.units(config_mod.workload_settings(ref_cfg)),
+    definition = config_mod.workload_of(ref_cfg).workload
+    return {"workload": workload, "unit": definition.unit, "units_per_sample": definition.units(config_mod.workload_settings(ref_cfg)),
             "global_batch": int(ref_cfg.train.batch_size), "cards": cards, "runs": runs,
             "summary": summary or [], "comparisons": comparisons or [], "telemetry_overhead": telemetry_overhead,
             "imagefolder": imagefolder, "tokens": tokens, "maxbatch": maxbatch, "profiles": profiles}

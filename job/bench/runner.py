@@ -37,37 +37,37 @@ class Bench:
     """One `python -m job bench`: its settings, output folder and cards, the run in progress, the failures."""
 
     def __init__(self, cfg, workload: str | None = None):
-        self.cfg, self.b = cfg, cfg.bench
-        check_settings(self.b)
+        self.cfg, self.settings = cfg, cfg.bench
+        check_settings(self.settings)
         preset = workload or cfg.workload.name  # the preset the command line picked, or the config's workload
         self.overrides = user_overrides(cfg, preset)
         self.cuda = self._cuda_count()
         self.device = "cuda" if self.cuda else "cpu"
         # Without GPUs, processes stand in for cards: the ddp process count (the user's, else cpu_procs).
-        self.cards = self.cuda or int(self.overrides.get("strategy.nprocs") or self.b.cpu_procs)
-        self.workloads = list(self.b.workloads) or [preset]  # workload presets, one table each
+        self.cards = self.cuda or int(self.overrides.get("strategy.nprocs") or self.settings.cpu_procs)
+        self.workloads = list(self.settings.workloads) or [preset]  # workload presets, one table each
         # The workload each preset builds (lm-24x384 is an lm), and its settings' keys.
         loaded = {w: config_mod.load([f"workload={w}"]) for w in self.workloads}
-        self.kinds = {w: c.workload.name for w, c in loaded.items()}
-        if self.b.tenant_gb and not self.cuda:
-            raise UsageError(f"bench.tenant_gb={self.b.tenant_gb:g} holds memory on a CUDA card, and none is "
+        self.workload_names = {w: c.workload.name for w, c in loaded.items()}
+        if self.settings.tenant_gb and not self.cuda:
+            raise UsageError(f"bench.tenant_gb={self.settings.tenant_gb:g} holds memory on a CUDA card, and none is "
                              "visible; drop bench.tenant_gb or run where a GPU is")
         for key, kind, hint in (("imagefolder", "imagefolder", "add resnet50 (GPU) or tiny (CPU)"),
                                 ("tokens", "tokens", "add lm")):
-            if self.b[key] and self.b.mode == "compare" and not any(
+            if self.settings[key] and self.settings.mode == "compare" and not any(
                     kind in config_mod.workload_of(c).workload.kinds() for c in loaded.values()):
                 raise UsageError(f"bench.{key}=true needs a workload that reads data.kind={kind}, and "
                                  f"bench.workloads is {self.workloads}; {hint}")
-        if self.b.mode == "maxbatch" and self.b.maxbatch_key == "workload.layers":
+        if self.settings.mode == "maxbatch" and self.settings.maxbatch_key == "workload.layers":
             flat = [w for w, c in loaded.items() if "layers" not in c.workload]
             if flat:
                 raise UsageError(f"bench.maxbatch_key=workload.layers searches a workload's depth (its "
                                  f"workload.layers setting), and {', '.join(flat)} has none; use workload=lm or a "
                                  "workload of yours with a `layers` setting")
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
-        self.out = Path(self.b.out or Path(cfg.train.run_dir) / f"bench-{stamp}")
-        self.runs = Runs(self.b, cuda=self.cuda, cards=self.cards, overrides=self.overrides, out=self.out,
-                         images_dir=Path(self.b.imagefolder_dir or Path(cfg.train.run_dir) / "bench-images"),
+        self.out = Path(self.settings.out or Path(cfg.train.run_dir) / f"bench-{stamp}")
+        self.runs = Runs(self.settings, cuda=self.cuda, cards=self.cards, overrides=self.overrides, out=self.out,
+                         images_dir=Path(self.settings.imagefolder_dir or Path(cfg.train.run_dir) / "bench-images"),
                          tokens_dir=Path(cfg.train.run_dir) / "bench-tokens")
         self.tenant: Tenant | None = None
 
@@ -83,13 +83,13 @@ class Bench:
         workload, the bench would measure nothing: one line, exit 2, before anything is written."""
         reasons = []
         for w in self.workloads:
-            for name in self.b.strategies:
+            for name in self.settings.strategies:
                 try:
-                    config_mod.load(self.runs.args(w, name, "check", [], warmup=self.b.warmup, steps=self.b.steps,
+                    config_mod.load(self.runs.args(w, name, "check", [], warmup=self.settings.warmup, steps=self.settings.steps,
                                                overrides=overrides))
                 except UsageError as e:
                     reasons.append(f"{name}: {e}")
-        if reasons and len(reasons) == len(self.workloads) * len(self.b.strategies):
+        if reasons and len(reasons) == len(self.workloads) * len(self.settings.strategies):
             raise UsageError(f"no strategy in bench.strategies can run with these settings ({reasons[0]})")
 
     def run(self) -> int:
@@ -108,21 +108,21 @@ class Bench:
         results: list[dict] = []
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            if self.b.tenant_gb:
-                self.tenant = Tenant(self.b.tenant_gb, "cuda:0").start()
+            if self.settings.tenant_gb:
+                self.tenant = Tenant(self.settings.tenant_gb, "cuda:0").start()
             self.out.mkdir(parents=True, exist_ok=True)
             (self.out / "overrides.yaml").write_text(overrides_yaml)
             where = (f"{self.cuda} GPU(s)" if self.cuda else
                      f"CPU ({self.cards} ddp processes stand in for cards; no GPU numbers here)")
-            b = self.b
+            b = self.settings
             what = {"compare": f"{b.warmup}+{b.steps} steps x {b.repeats} repeat(s)",
                     "maxbatch": f"trials of {b.maxbatch_steps} steps, at most {b.maxbatch_trials} per strategy",
                     "profile": f"{b.profile_steps} steps profiled after {b.warmup}"}[b.mode]
             log.info("bench %s: %s, workloads %s, strategies %s, %s -> %s", b.mode, where, ",".join(self.workloads),
                      ",".join(b.strategies), what, self.out)
-            one = {"compare": bench_workload, "maxbatch": maxbatch_workload, "profile": profile_workload}[self.b.mode]
+            mode = {"compare": bench_workload, "maxbatch": maxbatch_workload, "profile": profile_workload}[self.settings.mode]
             for w in self.workloads:
-                results.append(one(self.runs, w))
+                results.append(mode(self.runs, w))
                 if self.runs.interrupted:
                     break
         finally:
@@ -130,7 +130,7 @@ class Bench:
                 self.tenant.stop()
             for s, h in previous.items():
                 signal.signal(s, h)
-        b = self.b
+        b = self.settings
         doc = {
             "schema": SCHEMA_ID, "mode": b.mode, "device": self.device, "cards": self.cards,
             "settings": {"steps": b.steps, "warmup": b.warmup, "repeats": b.repeats, "strategies": list(b.strategies),

@@ -102,25 +102,25 @@ class BalancedStrategy(Strategy):
                      "on" if torch.backends.cudnn.benchmark else "off")
         self.sizes = split_sizes(self.micro_batch, len(self.devices)) if self.micro_batch else []
 
-    def plan_memory(self, ctx) -> memplan.Plan:
+    def plan_memory(self, planning) -> memplan.Plan:
         """Every card probed with its own replica (one at a time: the probes measure one card each)."""
-        n, mb = len(self.devices), ctx.micro_batch
-        cards = [ctx.card(d, str(d), k) for k, d in enumerate(self.devices)]
-        plan = memplan.Plan(mode="auto", micro_batch=mb, cards=cards, key=ctx.key)
+        n, mb = len(self.devices), planning.micro_batch
+        cards = [planning.card(d, str(d), k) for k, d in enumerate(self.devices)]
+        plan = memplan.Plan(mode="auto", micro_batch=mb, cards=cards, key=planning.key)
         if self.mode == "auto" and self.devices[0].type == "cuda":
-            cached = memplan.read_cache(ctx.run_dir, ctx.key, cards)
+            cached = memplan.read_cache(planning.run_dir, planning.key, cards)
             if cached is not None:
                 plan = cached
             else:
                 plain = self._plain_replicas()
-                extra = ctx.optimizer_bytes(self._params[0])
-                x0, y0 = ctx.make_batch(1, self.devices[0])
+                extra = planning.optimizer_bytes(self._params[0])
+                x0, y0 = planning.make_batch(1, self.devices[0])
                 # The whole micro-batch's inputs arrive on card 0 before they are split.
                 inputs = mb * (x0.numel() * x0.element_size() + y0.numel() * y0.element_size())
                 del x0, y0
 
                 def prober(k: int):
-                    step = ctx.probe_step(plain[k], self.devices[k])
+                    step = planning.probe_step(plain[k], self.devices[k])
 
                     def probe_upto(b: int) -> None:
                         memplan.probe(plan.cards[k], self.devices[k], step, upto=b, limit=mb,
@@ -128,7 +128,7 @@ class BalancedStrategy(Strategy):
                     return probe_upto
 
                 memplan.auto_plan(plan, {k: prober(k) for k in range(n)}, lambda c: c, minimum=self.min_share,
-                                  accum_steps=ctx.accum_steps, options=memplan.OPTIONS)
+                                  accum_steps=planning.accum_steps, options=memplan.OPTIONS)
         else:
             if isinstance(self.mode, list):
                 sizes, plan.mode = self.mode, "explicit"
@@ -189,8 +189,8 @@ class BalancedStrategy(Strategy):
             if graph is not None and graph.matches(xk, yk, self.precision.key()) and self.replicas[k].training:
                 with torch.cuda.device(dev):
                     return graph.run(xk, yk)
-            ctx = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
-            with ctx, torch.set_grad_enabled(grad), self.precision.autocast(dev.type):
+            on_card = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+            with on_card, torch.set_grad_enabled(grad), self.precision.autocast(dev.type):
                 with phases.mark("forward"):
                     out = self.replicas[k](xk)
                 with phases.mark("loss"):

@@ -18,7 +18,7 @@ log = logging.getLogger("job")
 class Strategy:
     """How one optimizer step's batch is spread over the cards.
 
-    The trainer calls, in order: `check(micro_batch=...)`, `setup(model, loss_fn)`, `plan_memory(ctx)`
+    The trainer calls, in order: `check(micro_batch=...)`, `setup(model, loss_fn)`, `plan_memory(planning)`
     (the split of each micro-batch, job.memplan), then per micro-step
     `loss(x, y)` inside `backward_sync(enabled)`, and `teardown()` at the end. `module` is always the
     unwrapped model (what checkpoints save and optimizers see).
@@ -52,11 +52,11 @@ class Strategy:
         """(offset, count): the samples of each micro-batch this process loads, by position."""
         return 0, micro_batch
 
-    def plan_memory(self, ctx) -> memplan.Plan:
+    def plan_memory(self, planning) -> memplan.Plan:
         """The memory plan (job.memplan): here, each card's room for the table, and an even split."""
-        cards = [ctx.card(d, str(d), k) for k, d in enumerate(self.devices)]
-        plan = memplan.Plan(mode="even", micro_batch=ctx.micro_batch, cards=cards)
-        memplan.apply_fixed(plan, self.even_sizes(ctx.micro_batch))
+        cards = [planning.card(d, str(d), k) for k, d in enumerate(self.devices)]
+        plan = memplan.Plan(mode="even", micro_batch=planning.micro_batch, cards=cards)
+        memplan.apply_fixed(plan, self.even_sizes(planning.micro_batch))
         self.sizes = plan.sizes
         return plan
 

@@ -104,23 +104,23 @@ class DDPStrategy(ProcessGroupStrategy):
         elif self.compile:
             self.forward = torch.compile(self.module)
 
-    def plan_memory(self, ctx) -> memplan.Plan:
+    def plan_memory(self, planning) -> memplan.Plan:
         """Each rank measures its own card; the ranks exchange what they measured and make the same choice."""
         label = f"rank {self.rank} {self.device}"
-        mine = ctx.card(self.device, label, self.local_rank)
+        mine = planning.card(self.device, label, self.local_rank)
         cards = self.all_gather_object(mine)
-        plan = memplan.Plan(mode="auto" if self.mode == "auto" else "fixed", micro_batch=ctx.micro_batch,
-                            cards=cards, key=ctx.key)
+        plan = memplan.Plan(mode="auto" if self.mode == "auto" else "fixed", micro_batch=planning.micro_batch,
+                            cards=cards, key=planning.key)
         if self.mode == "auto" and self.device.type == "cuda":
-            cached = self._cached(ctx, cards)
+            cached = self._cached(planning, cards)
             if cached is not None:
                 plan = cached
             else:
-                step = ctx.probe_step(self.module, self.device)
-                extra = ctx.optimizer_bytes(list(self.module.parameters()))
+                step = planning.probe_step(self.module, self.device)
+                extra = planning.optimizer_bytes(list(self.module.parameters()))
 
                 def probe_upto(b: int) -> None:
-                    memplan.probe(plan.cards[self.rank], self.device, step, upto=b, limit=ctx.micro_batch,
+                    memplan.probe(plan.cards[self.rank], self.device, step, upto=b, limit=planning.micro_batch,
                                   extra=extra)
 
                 def exchange(cards):
@@ -128,20 +128,20 @@ class DDPStrategy(ProcessGroupStrategy):
 
                 try:
                     memplan.auto_plan(plan, {self.rank: probe_upto}, exchange, minimum=self.min_share,
-                                      accum_steps=ctx.accum_steps, options=memplan.OPTIONS)
+                                      accum_steps=planning.accum_steps, options=memplan.OPTIONS)
                 except UsageError as e:  # every rank refuses the same plan: rank 0 says it
                     raise (PeerUsageError if self.rank else UsageError)(str(e)) from None
         else:
-            sizes = self.mode if isinstance(self.mode, list) else memplan.even_split(ctx.micro_batch, self.world_size)
+            sizes = self.mode if isinstance(self.mode, list) else memplan.even_split(planning.micro_batch, self.world_size)
             plan.mode = "even" if self.mode in ("auto", "even") else "explicit"
             memplan.apply_fixed(plan, sizes)
         self.sizes = plan.sizes
         self._wrap()
         return plan
 
-    def _cached(self, ctx, cards):
+    def _cached(self, planning, cards):
         """Rank 0 reads the cache; every rank takes its answer (the ranks may not share a file system view)."""
-        found = memplan.read_cache(ctx.run_dir, ctx.key, cards) if self.rank == 0 else None
+        found = memplan.read_cache(planning.run_dir, planning.key, cards) if self.rank == 0 else None
         doc = self.all_gather_object(found.to_json() if found else None)[0]
         if doc is None:
             return None

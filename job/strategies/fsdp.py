@@ -115,17 +115,17 @@ class FSDPStrategy(ProcessGroupStrategy):
                         "block by block")
         self.forward = torch.compile(model) if compile else model
 
-    def plan_memory(self, ctx) -> memplan.Plan:
+    def plan_memory(self, planning) -> memplan.Plan:
         """Each rank's card (free memory, room) for the table; the split: explicit shares, else even."""
-        mine = ctx.card(self.device, f"rank {self.rank} {self.device}", self.local_rank)
+        mine = planning.card(self.device, f"rank {self.rank} {self.device}", self.local_rank)
         cards = self.all_gather_object(mine)
         plan = memplan.Plan(mode="explicit" if isinstance(self.mode, list) else "even",
-                            micro_batch=ctx.micro_batch, cards=cards, key=ctx.key)
+                            micro_batch=planning.micro_batch, cards=cards, key=planning.key)
         if self.mode == "auto" and self.device.type == "cuda" and self.is_main:
             log.info("fsdp: strategy.split=auto splits evenly (the memory plan cannot probe one rank alone: every "
                      "forward and backward under fsdp is a collective); give shares with strategy.split=a,b to "
                      "split unevenly")
-        sizes = self.mode if isinstance(self.mode, list) else memplan.even_split(ctx.micro_batch, self.world_size)
+        sizes = self.mode if isinstance(self.mode, list) else memplan.even_split(planning.micro_batch, self.world_size)
         memplan.apply_fixed(plan, sizes)
         self.sizes = plan.sizes
         return plan

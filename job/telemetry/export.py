@@ -54,7 +54,7 @@ def export_main(argv: list[str], *, nvml=None, ready: threading.Event | None = N
     registry.register(collector)
 
     def health():
-        return {"status": "ok", "nvml_up": devices._nvml(nvml) is not None}
+        return {"status": "ok", "nvml_up": devices.nvml_or_default(nvml) is not None}
 
     try:
         httpd, _ = _serve(host, port, lambda: generate_latest(registry), health)
@@ -64,7 +64,7 @@ def export_main(argv: list[str], *, nvml=None, ready: threading.Event | None = N
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-    up = devices._nvml(nvml) is not None
+    up = devices.nvml_or_default(nvml) is not None
     log.info("exporter: serving http://%s/metrics (NVML %s)", _hostport(host, httpd.server_address[1]),
              "up" if up else "unavailable: trainjob_nvml_up 0")
     if not up:

@@ -34,8 +34,8 @@ class NvmlCollector:
         card = self._cards.get(i)
         if card is None:
             h = nv.nvmlDeviceGetHandleByIndex(i)
-            card = (h, devices._text(nv.nvmlDeviceGetUUID(h)), devices._text(nv.nvmlDeviceGetPciInfo(h).busId),
-                    devices._text(nv.nvmlDeviceGetName(h)), devices._mig_uuids(nv, h))
+            card = (h, devices.nvml_text(nv.nvmlDeviceGetUUID(h)), devices.nvml_text(nv.nvmlDeviceGetPciInfo(h).busId),
+                    devices.nvml_text(nv.nvmlDeviceGetName(h)), devices.mig_uuids(nv, h))
             self._cards[i] = card
         return card
 
@@ -51,7 +51,7 @@ class NvmlCollector:
                                  "Fraction of the last sample period the card was busy (NVML, 0-1).",
                                  labels=CARD_LABELS)
         up = GaugeMetricFamily("trainjob_nvml_up", "1 when NVML answered this scrape, 0 when missing or failing.")
-        nv = devices._nvml(self._nvml)
+        nv = devices.nvml_or_default(self._nvml)
         ok = 0
         if nv is not None:
             try:
@@ -72,7 +72,7 @@ class NvmlCollector:
                         continue
                     try:
                         mh = nv.nvmlDeviceGetHandleByUUID(m)
-                        targets.append((mh, m, devices._text(nv.nvmlDeviceGetName(mh)), False))
+                        targets.append((mh, m, devices.nvml_text(nv.nvmlDeviceGetName(mh)), False))
                     except Exception as e:
                         self._warn_once("MIG handle", m, e)
                 for handle, u, card_name, has_util in targets:

@@ -172,7 +172,7 @@ def test_a_workload_preset_is_its_own_table(tmp_path):
     args = ["workload=lm-24x384", "workload.layers=1", "workload.seq_len=16", "train.device=cpu",
             "strategies=[ddp]", "bench.baseline=none", "bench.repeats=1", "bench.warmup=1", "bench.steps=2"]
     b = bench.Bench(load(args), "lm-24x384")
-    assert (b.workloads, b.kinds) == (["lm-24x384"], {"lm-24x384": "lm"})
+    assert (b.workloads, b.workload_names) == (["lm-24x384"], {"lm-24x384": "lm"})
     assert b.overrides == {"workload.layers": 1, "workload.seq_len": 16, "train.device": "cpu"}
     assert main(["bench", *args, f"bench.out={out}"]) == 0
     doc = json.loads((out / "bench.json").read_text())

@@ -25,7 +25,7 @@ def test_gpu_rank0_series_carry_card1_identity(tmp_path, form):
     import pynvml
 
     pynvml.nvmlInit()
-    card1 = sorted(devices.nvml_inventory(pynvml), key=lambda c: devices._pci_key(c.pci_bus_id))[1]
+    card1 = sorted(devices.nvml_inventory(pynvml), key=lambda c: devices.pci_key(c.pci_bus_id))[1]
     port = free_port()
     cmd = job_cmd("train", "workload=tiny", "train.device=cuda", "strategy=ddp", f"train.run_dir={tmp_path}",
                   "train.run_id=gpu", "train.steps=100000", f"telemetry.port={port}")
@@ -73,7 +73,7 @@ def test_gpu_two_cards_one_scrape(tmp_path, strategy):
     import pynvml
 
     pynvml.nvmlInit()
-    cards = sorted(devices.nvml_inventory(pynvml), key=lambda c: devices._pci_key(c.pci_bus_id))[:2]
+    cards = sorted(devices.nvml_inventory(pynvml), key=lambda c: devices.pci_key(c.pci_bus_id))[:2]
     port = free_port()
     cmd = job_cmd("train", "workload=tiny", "train.device=cuda", f"strategy={strategy}", f"train.run_dir={tmp_path}",
                   "train.run_id=two", "train.steps=100000", f"telemetry.port={port}")

@@ -243,7 +243,7 @@ def test_devices_import_is_side_effect_free():
 def test_gpu_visible_card_1_is_card_1(form):
     """Under CUDA_VISIBLE_DEVICES=1 (or card 1's UUID) torch's device 0 is NVML's card 1."""
     pynvml.nvmlInit()
-    cards = sorted(devices.nvml_inventory(pynvml), key=lambda c: devices._pci_key(c.pci_bus_id))
+    cards = sorted(devices.nvml_inventory(pynvml), key=lambda c: devices.pci_key(c.pci_bus_id))
     want = cards[1]
     value = "1" if form == "index" else want.uuid
     code = ("from job import devices; devices.prepare_environment(); "
