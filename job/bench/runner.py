@@ -34,7 +34,8 @@ log = logging.getLogger("job")
 
 
 class Bench:
-    """One `python -m job bench`: its settings, output folder and cards, the run in progress, the failures."""
+    """One `python -m job bench`: its settings, output folder and cards; its child runs, failures and interruption
+    in `runs` (job.bench.child.Runs, what every mode is given)."""
 
     def __init__(self, cfg, workload: str | None = None):
         self.cfg, self.settings = cfg, cfg.bench
