@@ -32,6 +32,7 @@ from job.rundir import free_space, temp_path
 log = logging.getLogger("job")
 PATTERN = re.compile(r"^step_(\d{8})\.pt$")
 FORMAT_VERSION = 1
+_IN_FLIGHT: list[Path] = []  # the temporary file `save` is writing now, for a stop that cannot wait for it
 
 
 def path_for(folder: Path, step: int) -> Path:
@@ -89,6 +90,7 @@ def save(folder: Path, step: int, state: dict, *, keep: int) -> Path:
     they were. The file is created 0600, never through a symlink."""
     final = path_for(folder, step)
     tmp = temp_path(final)
+    _IN_FLIGHT[:] = [tmp]
     try:
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
@@ -113,6 +115,7 @@ def save(folder: Path, step: int, state: dict, *, keep: int) -> Path:
             f"checkpoint {final} was not written ({e.strerror or e}; {free_space(folder)} free there)"
         ) from None
     finally:
+        _IN_FLIGHT.clear()
         try:
             tmp.unlink(missing_ok=True)
         except OSError:
@@ -124,6 +127,17 @@ def save(folder: Path, step: int, state: dict, *, keep: int) -> Path:
         log.warning("could not delete older checkpoints in %s (%s); they are deleted at the next checkpoint",
                     folder, e.strerror or e)
     return final
+
+
+def discard_partial() -> None:
+    """Remove the half-written file of a checkpoint being saved now, if any: a process that leaves at once
+    (a second Ctrl-C, job.failure.stop_now) leaves no partial checkpoint behind. The checkpoints already
+    written are untouched."""
+    for tmp in list(_IN_FLIGHT):
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
 
 
 def step_of(path: Path) -> int | None:

@@ -188,9 +188,11 @@ def fail(exc: BaseException, *, env, device, timeout_s: float, cleanup=None, log
 
 
 def stop_now(message: str) -> None:
-    """The second Ctrl-C: leave at once (rank 0 says so), no checkpoint, no collective; exit 130."""
-    from job import launch
+    """The second Ctrl-C: leave at once (rank 0 says so), no checkpoint, no collective; exit 130. A checkpoint
+    being written is abandoned: its temporary file is removed, the earlier checkpoints are kept."""
+    from job import checkpoint, launch
 
+    checkpoint.discard_partial()
     if os.environ.get("RANK", "0") == "0":
         _say(message)
     launch.abort_group()

@@ -17,6 +17,8 @@ import pytest
 import torch
 from conftest import ROOT, job_cmd, requires_gpus
 
+from job import checkpoint as ckpt
+
 SMALL = ["workload=tiny", "workload.width=8", "workload.image_size=16", "train.device=cpu", "train.log_every=5",
          "train.batch_size=16"]
 DDP2 = ["strategy=ddp", "strategy.nprocs=2"]
@@ -225,7 +227,12 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
     assert end - t < 10, job.text
     assert wait_gone(pids, 5) == []
     assert job.text.count("second Ctrl-C: stopped at once") == 1, job.text
-    assert checkpoints(tmp_path, "cc") == [], "the second Ctrl-C still wrote a checkpoint"
+    # It does not wait for the checkpoint: one being written is abandoned, its temporary file removed. (On a
+    # loaded machine the first Ctrl-C's checkpoint may be complete before the second one lands: it is kept.)
+    left = checkpoints(tmp_path, "cc")
+    assert all(re.fullmatch(r"step_\d{8}\.pt", n) for n in left), f"a half-written checkpoint was left: {left}"
+    for name in left:
+        ckpt.load(tmp_path / "cc" / "checkpoints" / name)
     assert "Traceback" not in job.text, job.text
 
 

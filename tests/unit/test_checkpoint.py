@@ -51,6 +51,28 @@ def test_a_failed_write_leaves_the_checkpoints_as_they_were(tmp_path, monkeypatc
     assert kept.read_bytes() == before
 
 
+def test_a_stop_at_once_during_a_save_leaves_no_half_checkpoint(tmp_path, monkeypatch):
+    """A second Ctrl-C mid-write leaves through job.failure.stop_now, which calls discard_partial: the file being
+    written goes, the checkpoints written before stay."""
+    folder = tmp_path / "checkpoints"
+    kept = ckpt.save(folder, 5, _state(5), keep=3)
+    seen = []
+
+    def interrupted(obj, f):
+        f.write(b"half a checkpoint")
+        seen.append(sorted(p.name for p in folder.iterdir()))
+        ckpt.discard_partial()  # what stop_now does before os._exit, in the middle of the write
+        seen.append(sorted(p.name for p in folder.iterdir()))
+        raise OSError(errno.EINTR, "stopped")
+
+    monkeypatch.setattr(ckpt.torch, "save", interrupted)
+    with pytest.raises(ckpt.WriteFailed):
+        ckpt.save(folder, 10, _state(10), keep=3)
+    assert seen == [[temp_path(ckpt.path_for(folder, 10)).name, kept.name], [kept.name]]
+    ckpt.discard_partial()  # nothing in flight: nothing happens
+    assert [p.name for p in folder.iterdir()] == [kept.name] and ckpt.load(kept)["step"] == 5
+
+
 def test_a_save_never_writes_through_a_planted_link(tmp_path):
     folder = tmp_path / "checkpoints"
     folder.mkdir()
