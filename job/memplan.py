@@ -27,7 +27,6 @@ metrics. After the first steps the trainer records each card's measured peak nex
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -495,6 +494,9 @@ class Context:
         """step(b): forward + backward of b probe samples through `module` on `device`, gradients freed."""
         import torch
 
+        from job.precision import Precision
+
+        precision = self.precision or Precision("off", device.type)  # off: autocast disabled, as in the run
         buffers = list(module.buffers())
 
         def step(b: int) -> None:
@@ -502,8 +504,7 @@ class Context:
             saved = [t.clone() for t in buffers]
             x, y = self.make_batch(b, device)
             try:
-                with (self.precision.autocast(device.type) if self.precision is not None
-                      else contextlib.nullcontext()):
+                with precision.autocast(device.type):
                     loss = self.loss_fn(module(x), y, reduction="sum")
                 loss.backward()
             finally:
