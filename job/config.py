@@ -148,12 +148,16 @@ class DataCfg:
     workers: int = 0
     """DataLoader worker processes for data read from files (0: read in the training process)."""
     prefetch: bool = False
-    """Copy the next batch to the GPU on a side CUDA stream while the current one computes."""
+    """Prepare the next batch while the current one trains: its copy to the GPU (on a side CUDA stream) and
+    the dataset's to_device work (data.decode=gpu's decoding) run on a background thread."""
     decode: str = "auto"
     """imagefolder: where JPEG files are decoded: cpu (the DataLoader workers, libjpeg-turbo), gpu (the
     training GPU, batched nvJPEG; the workers only read the files) or auto (cpu with data.workers, gpu
     without workers on a CUDA device: the faster of the two in each case, measured in docs/benchmarks.md).
     Either way a sample id gets the same crop; pixels differ by the decoders' rounding."""
+    gpu_share: float = 1.0
+    """imagefolder with data.decode=gpu: the fraction of the JPEG samples decoded on the GPU (fixed by sample
+    id, spread evenly over every batch); the workers decode the rest at the same time. 1: all on the GPU."""
     synthetic_pool: int = 64
     """synthetic: distinct samples generated once and cycled."""
 
@@ -660,7 +664,7 @@ def _check_floats(cfg) -> None:
     """NaN, inf and out-of-range rates: they would poison the weights at the first step."""
     t = cfg.train
     floats = {"train.lr": t.lr, "train.momentum": t.momentum, "train.weight_decay": t.weight_decay,
-              "data.val_fraction": cfg.data.val_fraction}
+              "data.val_fraction": cfg.data.val_fraction, "data.gpu_share": cfg.data.gpu_share}
     for key, value in floats.items():
         if not math.isfinite(value):
             raise UsageError(f"`{key}={value}` is not a finite number; {FLOAT_RANGES[key]}")
@@ -671,6 +675,8 @@ def _check_floats(cfg) -> None:
     if not 0 <= cfg.data.val_fraction < 1:
         raise UsageError(f"`data.val_fraction={cfg.data.val_fraction}` is out of range; "
                          f"{FLOAT_RANGES['data.val_fraction']}")
+    if not 0 <= cfg.data.gpu_share <= 1:
+        raise UsageError(f"`data.gpu_share={cfg.data.gpu_share}` is out of range; {FLOAT_RANGES['data.gpu_share']}")
     if t.weight_decay < 0 or t.lr * t.weight_decay >= 1:
         raise UsageError(
             f"`train.weight_decay={t.weight_decay}` with train.lr={t.lr}: {FLOAT_RANGES['train.weight_decay']} "
@@ -696,6 +702,8 @@ FLOAT_RANGES = {
     "train.weight_decay": "weight decay must be at least 0 and lr x weight_decay below 1 (each step scales "
                           "the weights by 1 - lr x weight_decay)",
     "data.val_fraction": "give the fraction of data.path to hold out, from 0 (none) up to (not including) 1",
+    "data.gpu_share": "give the fraction of JPEG samples data.decode=gpu decodes on the GPU, from 0 to 1 "
+                      "(the workers decode the rest)",
 }
 
 

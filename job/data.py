@@ -73,7 +73,8 @@ class Data:
 
     def _dataset(self, path: str, split: str):
         request = wl.DataRequest(kind=self.cfg.kind, path=path, split=split, seed=self.seed,
-                                 token_dtype=self.cfg.token_dtype, decode=self.decode)
+                                 token_dtype=self.cfg.token_dtype, decode=self.decode,
+                                 gpu_share=float(self.cfg.gpu_share))
         ds = wl.call(f"workload `{self.resolved.name}`: dataset(kind={self.cfg.kind}, split={split})",
                      self.workload.dataset, self.settings, request)
         if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
@@ -84,6 +85,8 @@ class Data:
             raise UsageError(f"workload `{self.resolved.name}`: the {split} dataset at {path} holds no samples; "
                              "point data.path at data")
         decoded = getattr(ds, "decode", None)
+        if decoded == "gpu" and getattr(ds, "gpu_share", 1.0) < 1.0:
+            decoded = f"gpu ({ds.gpu_share:.0%} of the JPEGs; the workers decode the rest)"
         log.info("data: %s %s: %s samples%s", self.cfg.kind, path, f"{n:,}",
                  f", decoded on the {decoded} (data.decode={self.cfg.decode})" if isinstance(decoded, str) else "")
         return ds
@@ -314,8 +317,8 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
     if getattr(ds, "to_device", None) is None:
         _check_pair(name, "dataset items", first, _rows(first))
     first = move(first)
-    if prefetch and device.type == "cuda":
-        return itertools.chain([first], CudaPrefetcher(it, device, move))
+    if prefetch:
+        return itertools.chain([first], Prefetcher(it, device, move))
     return itertools.chain([first], (move(b) for b in it))
 
 
@@ -328,41 +331,61 @@ def _format(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
     return x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
 
 
-class CudaPrefetcher:
-    """Moves batch n+1 to the GPU (`move`: the copy, and the dataset's to_device work such as decoding) on a
-    side stream while batch n computes.
+class Prefetcher:
+    """Prepares batch n+1 while batch n trains: `move` (the copy to the device, and the dataset's to_device
+    work, such as decoding JPEGs on the GPU) runs on one background thread, so it never holds up the
+    thread that launches the model's kernels (most of its time is in C++ calls that release the GIL; a GPU
+    decode waits for the decoder there, not here).
 
-    The consumer's stream waits on the move's event before use, and `record_stream` tells the caching
-    allocator the tensors are used on the compute stream, so their memory is not reused too early.
+    The loader is still read by the calling thread, in order (with data.workers=0 the samples are made
+    there, as without prefetch); only `move` runs on the prefetch thread, one batch ahead, so no more
+    batches are alive than before (the one training, the one being made). On a GPU `move` runs on a side
+    stream: the consumer's stream waits on its event before use, and `record_stream` tells the caching
+    allocator the tensors are used on the compute stream, so their memory is not reused too early. An
+    exception in `move` (a file that does not decode) is raised by `next`, in the training thread.
     """
 
     def __init__(self, it, device: torch.device, move):
-        self.it, self.device, self.move = it, device, move
-        self.stream = torch.cuda.Stream(device=device)
-        self.next = None
-        self._preload()
+        from concurrent.futures import ThreadPoolExecutor
 
-    def _preload(self):
+        self.it, self.device, self.move = it, device, move
+        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job-prefetch")
+        self.pending = self._submit()
+
+    def _submit(self):
         try:
             batch = next(self.it)
         except StopIteration:
-            self.next = None
-            return
-        with torch.cuda.stream(self.stream):
+            return None
+        return self.pool.submit(self._move, batch)
+
+    def _move(self, batch):
+        if self.stream is None:
+            return (*self.move(batch), None)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             x, y = self.move(batch)
             event = torch.cuda.Event()
             event.record(self.stream)
-        self.next = (x, y, event)
+        return x, y, event
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        if self.next is None:
+        if self.pending is None:
+            self.pool.shutdown(wait=False)
             raise StopIteration
-        x, y, event = self.next
-        torch.cuda.current_stream(self.device).wait_event(event)
-        x.record_stream(torch.cuda.current_stream(self.device))
-        y.record_stream(torch.cuda.current_stream(self.device))
-        self._preload()
+        try:
+            x, y, event = self.pending.result()
+        except BaseException:
+            self.pending = None
+            self.pool.shutdown(wait=False)
+            raise
+        if event is not None:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(event)
+            x.record_stream(stream)
+            y.record_stream(stream)
+        self.pending = self._submit()
         return x, y

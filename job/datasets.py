@@ -12,6 +12,7 @@ made of the run's seed and the sample's global id (`SampleIndex.sample_id`), not
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 from pathlib import Path
@@ -225,17 +226,24 @@ class ImageFolder:
     crosses to the device as uint8 (a quarter of float32's bytes) and is normalised there (`to_device`).
     decode="gpu": workers read the files' bytes and draw the crops; `to_device` decodes a batch's JPEGs on
     the GPU in one batched nvJPEG call and crops and resizes there. Files that are not JPEG are decoded by
-    the workers either way. Both decoders give the same crop of the same image: the pixels differ only by
-    the decoders' rounding (nvJPEG against libjpeg-turbo, a few levels of 255)."""
+    the workers either way. `gpu_share` < 1 splits the JPEGs between the two: that fraction of the sample
+    ids (spread evenly, so every batch and every rank's share of it gets its part) goes to the GPU, the
+    rest is decoded by the workers, so both decoders work at once. Both decoders give the same crop of the
+    same image: the pixels differ only by the decoders' rounding (nvJPEG against libjpeg-turbo, a few
+    levels of 255), and which decoder a sample id gets is fixed by the id, so a resumed run decodes it the
+    same way."""
 
     def __init__(self, path: str | os.PathLike, *, image_size: int, num_classes: int, augment: bool = False,
-                 decode: str = "cpu"):
+                 decode: str = "cpu", gpu_share: float = 1.0):
         from torchvision import datasets
 
         if decode not in DECODERS:
             raise UsageError(f"data.decode={decode} is not a decoder; use one of auto, {', '.join(DECODERS)}")
+        if not 0.0 <= gpu_share <= 1.0:
+            raise UsageError(f"data.gpu_share={gpu_share} is not a fraction; use a value from 0 to 1")
         check_imagefolder(str(path), num_classes=num_classes)
         self.augment, self.size, self.decode = augment, int(image_size), decode
+        self.gpu_share = float(gpu_share) if decode == "gpu" else 0.0
         self._norm: dict = {}
         try:
             self.samples = datasets.ImageFolder(str(path), loader=str).samples  # [(file, class)]
@@ -272,7 +280,7 @@ class ImageFolder:
         except OSError as e:
             raise _bad(path, e.strerror or e) from None
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        if self.decode == "gpu" and raw[:3] == JPEG_MAGIC:
+        if self.decode == "gpu" and raw[:3] == JPEG_MAGIC and on_gpu(index, self.gpu_share):
             h, w = image_size_of(raw, path)
             return Encoded(data, self.crop_of(index, h, w), path), label
         image = decode_pixels(data, path)
@@ -304,6 +312,16 @@ class ImageFolder:
         return (x.float() - mean) / std, y.to(device, non_blocking=True)
 
 
+def on_gpu(index, share: float) -> bool:
+    """Whether sample `index` (a SampleIndex: its sample id) is one of the `share` decoded on the GPU: sample id
+    i is when floor((i + 1) x share) > floor(i x share), which spreads them evenly (any n consecutive ids hold
+    n x share of them, give or take one)."""
+    if share >= 1.0:
+        return True
+    i = getattr(index, "sample_id", int(index))
+    return math.floor((i + 1) * share) > math.floor(i * share)
+
+
 def crop_resize(image, crop: tuple[int, int, int, int, bool], size: int):
     """The crop of a 3 x H x W uint8 image, resized to size x size (bilinear, antialiased) and flipped if asked;
     on the image's device, so the CPU and GPU decoders share it."""
@@ -333,28 +351,36 @@ class Encoded:
 
 
 class EncodedBatch:
-    """A batch of images still to decode: JPEG bytes, or pixels the workers decoded (other formats).
+    """A batch of images still to decode: JPEG bytes (Encoded), and the pixels the workers decoded (files that
+    are not JPEG, and the JPEGs that data.gpu_share leaves to the workers), stacked into one tensor.
 
     `pin_memory` is what a DataLoader with pin_memory=True calls on it."""
 
     def __init__(self, items: list):
-        self.items = items
+        import torch
+
+        self.n = len(items)
+        self.jpegs = [(i, it) for i, it in enumerate(items) if isinstance(it, Encoded)]
+        done = [(i, it) for i, it in enumerate(items) if not isinstance(it, Encoded)]
+        self.rows = [i for i, _ in done]  # where the decoded pixels go in the batch
+        self.pixels = torch.stack([it for _, it in done]) if done else None
 
     def pin_memory(self):
-        for it in self.items:
-            if isinstance(it, Encoded):
-                it.data = it.data.pin_memory()
+        for _, it in self.jpegs:
+            it.data = it.data.pin_memory()
+        if self.pixels is not None:
+            self.pixels = self.pixels.pin_memory()
         return self
 
     def __len__(self) -> int:
-        return len(self.items)
+        return self.n
 
     def decode(self, device, size: int):
         """n x 3 x size x size uint8 on `device`: the JPEGs in one batched nvJPEG call, each cropped there."""
         import torch
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        jpegs = [it for it in self.items if isinstance(it, Encoded)]
+        jpegs = [it for _, it in self.jpegs]
         images = []
         if jpegs:
             try:
@@ -366,11 +392,10 @@ class EncodedBatch:
                 _warn_once(f"data.decode=gpu: nvJPEG could not decode a batch ({str(e).strip().splitlines()[0]}); "
                            "it was decoded on the CPU, as every such batch will be (slower: data.decode=cpu "
                            "with data.workers decodes in parallel)")
-        decoded = iter(images)  # in the order of the JPEGs among the items
-        out = torch.empty((len(self.items), 3, size, size), dtype=torch.uint8, device=device)
-        for i, it in enumerate(self.items):
-            if isinstance(it, Encoded):
-                out[i] = crop_resize(next(decoded), it.crop, size)
-            else:
-                out[i] = it.to(device, non_blocking=True)
+        out = torch.empty((self.n, 3, size, size), dtype=torch.uint8, device=device)
+        if self.pixels is not None:  # one copy for every image the workers decoded
+            rows = torch.tensor(self.rows).to(device, non_blocking=True)
+            out.index_copy_(0, rows, self.pixels.to(device, non_blocking=True))
+        for (i, it), image in zip(self.jpegs, images):  # images: in the order of the JPEGs
+            out[i] = crop_resize(image, it.crop, size)
         return out

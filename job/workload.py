@@ -76,6 +76,7 @@ class DataRequest:
     seed: int = 0
     token_dtype: str = "uint16"  # data.token_dtype, for token files
     decode: str = "cpu"  # data.decode resolved: where image files are decoded, "cpu" (the workers) or "gpu"
+    gpu_share: float = 1.0  # data.gpu_share: with decode "gpu", the fraction of JPEG samples decoded there
 
 
 @dataclass(frozen=True)
@@ -104,8 +105,9 @@ class Workload:
     Samples are addressed by index: the job draws indices by global sample id (a seeded permutation per
     epoch), so resume and any split see the same samples. Two optional methods of the dataset shape the
     path to the model: `collate(items) -> batch` (the DataLoader's collate_fn; default torch's
-    default_collate) and `to_device(batch, device) -> (x, y)` (run in the training process, on a side CUDA
-    stream with data.prefetch; default: each tensor copied as it is). job.datasets.ImageFolder uses them to
+    default_collate) and `to_device(batch, device) -> (x, y)` (run in the training process; with
+    data.prefetch on a background thread, on a side CUDA stream, one batch ahead: draw any randomness from
+    the samples' seeds, not a global generator; default: each tensor copied as it is). job.datasets.ImageFolder uses them to
     send uint8 pixels, or undecoded JPEGs, and finish the work on the GPU."""
     data_kinds: tuple[str, ...] = ()
     """The data.kind values `dataset` reads (e.g. ("tokens",), ("imagefolder",), ("csv",))."""

@@ -42,4 +42,5 @@ def image_folder(settings, request):
     from job.datasets import ImageFolder
 
     return ImageFolder(request.path, image_size=settings.image_size, num_classes=settings.num_classes,
-                       augment=settings.augment and request.split == "train", decode=request.decode)
+                       augment=settings.augment and request.split == "train", decode=request.decode,
+                       gpu_share=request.gpu_share)

@@ -24,11 +24,11 @@ MEAN_LEVELS, P999_LEVELS = 2.5, 16
 
 
 @requires_gpus(1)
-@pytest.mark.parametrize("augment", [False, True])
-def test_gpu_decoded_samples_match_the_cpu_decoded_ones(tmp_path, augment):
+@pytest.mark.parametrize("augment,share", [(False, 1.0), (True, 1.0), (True, 0.5)])
+def test_gpu_decoded_samples_match_the_cpu_decoded_ones(tmp_path, augment, share):
     folder = image_folder(tmp_path / "imgs", 64, seed=1)
     cpu = ImageFolder(folder["path"], image_size=224, num_classes=10, augment=augment, decode="cpu")
-    gpu = ImageFolder(folder["path"], image_size=224, num_classes=10, augment=augment, decode="gpu")
+    gpu = ImageFolder(folder["path"], image_size=224, num_classes=10, augment=augment, decode="gpu", gpu_share=share)
     ids = [SampleIndex(i, 1000 + i, 3) for i in range(64)]
     cuda = torch.device("cuda", 0)
     xa, ya = batch(cpu, ids, cuda)
@@ -37,7 +37,7 @@ def test_gpu_decoded_samples_match_the_cpu_decoded_ones(tmp_path, augment):
     std = torch.tensor(STD, device=cuda).view(1, 3, 1, 1) * 255
     levels = ((xa - xb).abs() * std).flatten()  # back to levels of 255
     mean, p999 = float(levels.mean()), float(levels.kthvalue(int(levels.numel() * 0.999)).values)
-    print(f"augment={augment}: |gpu - cpu| mean {mean:.3f}, 99.9th percentile {p999:.2f}, max {float(levels.max()):.1f}"
+    print(f"augment={augment} gpu_share={share}: |gpu - cpu| mean {mean:.3f}, 99.9th percentile {p999:.2f}, max {float(levels.max()):.1f}"
           " levels of 255")
     assert mean < MEAN_LEVELS and p999 <= P999_LEVELS
 
@@ -54,19 +54,21 @@ def test_a_damaged_jpeg_on_the_gpu_is_one_line(tmp_path):
 
 
 @requires_gpus(1)
-@pytest.mark.parametrize("strategy,decode", [("ddp", "gpu"), ("balanced", "auto")])
-def test_training_from_jpeg_files_decoded_on_the_gpu(tmp_path, strategy, decode):
+@pytest.mark.parametrize("strategy,decode,share", [("ddp", "gpu", 1.0), ("balanced", "auto", 1.0), ("ddp", "gpu", 0.5)])
+def test_training_from_jpeg_files_decoded_on_the_gpu(tmp_path, strategy, decode, share):
     folder = image_folder(tmp_path / "imgs", 200, seed=2)
     p = subprocess.run(job_cmd("train", "workload=resnet50", f"strategy={strategy}", "strategy.nprocs=1",
                                "workload.num_classes=10", "workload.augment=true", "train.batch_size=32",
                                "train.steps=12", "train.amp=bf16", "train.channels_last=true",
                                "data.kind=imagefolder", f"data.path={folder['path']}", "data.val_fraction=0.1",
-                               "data.workers=4", "data.prefetch=true", f"data.decode={decode}", f"train.run_dir={tmp_path}",
+                               "data.workers=4", "data.prefetch=true", f"data.decode={decode}", f"data.gpu_share={share}",
+                               f"train.run_dir={tmp_path}",
                                "train.run_id=r"), cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     s = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert s["validation"]["val_samples"] == 20
     config = (tmp_path / "r" / "config.yaml").read_text()
     assert f"decode: {decode}" in config
-    assert f"decoded on the {'gpu' if decode == 'gpu' else 'cpu'} (data.decode={decode})" in p.stderr, p.stderr[-3000:]
+    where = "cpu" if decode == "auto" else "gpu" if share == 1 else "gpu (50% of the JPEGs; the workers decode the rest)"
+    assert f"decoded on the {where} (data.decode={decode})" in p.stderr, p.stderr[-3000:]
     print(f"{strategy}: {s['img_per_s']:,.0f} img/s")

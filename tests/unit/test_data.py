@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from job import data
-from job.datasets import SampleIndex
+from job.datasets import BadImage, SampleIndex
 from job.errors import UsageError
 
 
@@ -85,3 +85,39 @@ def test_a_pair_that_is_not_x_and_y_of_n_samples_is_one_line():
         data._check_pair("w", "example_batch", torch.zeros(4), 4)
     with pytest.raises(UsageError, match=r"gave x of shape \(4, 3\) and y of shape \(5,\) for 4 samples"):
         data._check_pair("w", "example_batch", (torch.zeros(4, 3), torch.zeros(5)), 4)
+
+
+def test_the_prefetcher_moves_the_next_batch_on_its_thread_in_order_and_raises_in_the_callers():
+    """data.prefetch: `move` runs one batch ahead on the background thread; the loader is read by the caller's
+    thread; batches come out in order, and an exception in `move` (a file that does not decode) is raised by
+    `next` in the caller's thread, after the batches before it."""
+    import threading
+
+    from job.data import Prefetcher
+
+    main = threading.get_ident()
+    read_by, moved_by = [], []
+
+    def loader():
+        for i in range(5):
+            read_by.append(threading.get_ident())
+            yield torch.full((2,), i), torch.tensor([i])
+
+    def move(batch):
+        moved_by.append(threading.get_ident())
+        x, y = batch
+        if int(y) == 3:
+            raise BadImage("cannot read image c0/3.jpg (damaged); fix or remove the file")
+        return x * 10, y
+
+    p = Prefetcher(loader(), torch.device("cpu"), move)
+    assert [int(y) for _, y in (next(p), next(p), next(p))] == [0, 1, 2]
+    with pytest.raises(BadImage, match="c0/3.jpg"):
+        next(p)
+    with pytest.raises(StopIteration):
+        next(p)
+    assert set(read_by) == {main} and main not in moved_by and len(set(moved_by)) == 1
+    done = Prefetcher(iter([(torch.ones(1), torch.zeros(1))]), torch.device("cpu"), lambda b: b)
+    assert torch.equal(next(done)[0], torch.ones(1))
+    with pytest.raises(StopIteration):
+        next(done)

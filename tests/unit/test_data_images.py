@@ -14,7 +14,7 @@ from conftest import ROOT, job_cmd
 
 from job import config
 from job.data import Data
-from job.datasets import BadImage, EncodedBatch, ImageFolder, SampleIndex
+from job.datasets import BadImage, EncodedBatch, ImageFolder, SampleIndex, on_gpu
 
 
 @pytest.mark.parametrize("augment", [False, True])
@@ -27,12 +27,38 @@ def test_the_gpu_decoders_batch_gives_the_cpu_decoders_samples(tmp_path, augment
     ids = [SampleIndex(i, 100 + i, 5) for i in range(len(cpu))]
     xa, ya = batch(cpu, ids)
     raw, _ = gpu.collate([gpu[i] for i in ids])
-    assert isinstance(raw, EncodedBatch) and sum(not torch.is_tensor(it) for it in raw.items) == 8  # 8 JPEGs, 2 PNGs
+    assert isinstance(raw, EncodedBatch) and len(raw.jpegs) == 8 and raw.pixels.shape[0] == 2  # 8 JPEGs, 2 PNGs
     xb, yb = batch(gpu, ids)
     assert xa.shape == (10, 3, 32, 32) and xa.dtype == torch.float32
     assert torch.equal(xa, xb) and torch.equal(ya, yb)
     # Normalised with ImageNet's statistics: a mid-grey pixel is near 0.
     assert -2.2 < float(xa.min()) and float(xa.max()) < 2.7
+
+
+@pytest.mark.parametrize("share", [0.0, 0.3, 0.5, 1.0])
+def test_data_gpu_share_splits_the_jpegs_between_the_decoders_with_the_same_samples(tmp_path, share):
+    """data.gpu_share: that fraction of the JPEG sample ids goes to the GPU decoder, the workers decode the rest;
+    the batch is decode=cpu's exactly (the GPU path run on the CPU: the same libjpeg-turbo, the same crops)."""
+    root = make_folder(tmp_path / "imgs", per_class=10)
+    cpu = ImageFolder(root, image_size=32, num_classes=2, augment=True, decode="cpu")
+    mixed = ImageFolder(root, image_size=32, num_classes=2, augment=True, decode="gpu", gpu_share=share)
+    ids = [SampleIndex(i, 40 + i, 5) for i in range(len(cpu))]
+    raw, _ = mixed.collate([mixed[i] for i in ids])
+    jpegs = [i for i in ids if mixed.samples[int(i)][0].endswith(".jpg")]
+    assert len(raw.jpegs) == sum(on_gpu(i, share) for i in jpegs) and len(raw.jpegs) + raw.pixels.shape[0] == len(ids)
+    assert torch.equal(batch(cpu, ids)[0], batch(mixed, ids)[0])
+
+
+def test_the_gpu_share_is_fixed_by_sample_id_and_spread_over_every_window():
+    for share in (0.1, 0.37, 0.5, 0.9):
+        picked = [on_gpu(SampleIndex(0, i, 0), share) for i in range(2000)]
+        for n in (7, 32, 256):  # any n consecutive ids (a batch, a rank's share of it) hold n x share, +-1
+            for start in range(0, 2000 - n, 61):
+                assert abs(sum(picked[start:start + n]) - n * share) <= 1
+        assert picked == [on_gpu(SampleIndex(5, i, 9), share) for i in range(2000)]  # the id decides, nothing else
+    assert all(on_gpu(SampleIndex(0, i, 0), 1.0) for i in range(50)) and not any(on_gpu(i, 0.0) for i in range(50))
+    with pytest.raises(config.UsageError, match="data.gpu_share=1.5 is not a fraction"):
+        ImageFolder("/nonexistent", image_size=8, num_classes=2, decode="gpu", gpu_share=1.5)
 
 
 def test_a_sample_id_gets_its_crop_in_every_epoch_run_and_process(tmp_path):
@@ -52,23 +78,24 @@ def test_a_sample_id_gets_its_crop_in_every_epoch_run_and_process(tmp_path):
 @pytest.mark.parametrize("decode", ["cpu", "gpu"])
 def test_batches_are_the_same_with_workers_under_any_split(tmp_path, decode):
     """job.data's stream on image files: 2 DataLoader workers give the samples of 0 workers, and a split of
-    each micro-batch into two shares (two ddp ranks) concatenates to the whole."""
+    each micro-batch into two shares (two ddp ranks) concatenates to the whole, with data.prefetch's
+    background thread or without it."""
     root = make_folder(tmp_path / "imgs", per_class=6)
     cfg = config.load(["workload=tiny", "workload.image_size=16", "workload.augment=true", "data.kind=imagefolder",
                        f"data.path={root}", f"data.decode={decode}", "train.device=cpu"])
     if decode == "gpu":  # on a CPU device data.decode=gpu is refused; the dataset's GPU path still runs on the CPU
         cfg.data.decode = "cpu"
 
-    def stream(workers: int, offset: int, count: int):
+    def stream(workers: int, offset: int, count: int, prefetch: bool = False):
         cfg.data.workers = workers
         d = Data(config.workload_of(cfg), config.workload_settings(cfg), cfg.data, seed=4, device=CPU)
         if decode == "gpu":
             ds, _ = d.train_set()
             ds.decode = "gpu"
         return d.batches(micro_batch=6, start=6, offset=offset, count=count, device=CPU, channels_last=False,
-                         prefetch=False)
+                         prefetch=prefetch)
 
-    whole, a, b = stream(0, 0, 6), stream(2, 0, 2), stream(0, 2, 4)
+    whole, a, b = stream(0, 0, 6), stream(2, 0, 2, prefetch=True), stream(0, 2, 4, prefetch=True)
     for _ in range(3):  # past the end of the first epoch (12 files)
         x, y = next(whole)
         xa, ya = next(a)
