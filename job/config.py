@@ -152,8 +152,9 @@ class DataCfg:
     the dataset's to_device work (data.decode=gpu's decoding) run on a background thread."""
     decode: str = "auto"
     """imagefolder: where JPEG files are decoded: cpu (the DataLoader workers, libjpeg-turbo), gpu (the
-    training GPU, batched nvJPEG; the workers only read the files) or auto (cpu with data.workers, gpu
-    without workers on a CUDA device: the faster of the two in each case, measured in docs/benchmarks.md).
+    training GPU, batched nvJPEG; the workers read the files, and decode the part data.gpu_share leaves
+    them) or auto (on a CUDA device both: the GPU takes the share that gives it and the data.workers the
+    same time per batch at the rates measured on one H200, all of it without workers; cpu on a CPU run).
     Either way a sample id gets the same crop; pixels differ by the decoders' rounding."""
     gpu_share: float = 1.0
     """imagefolder with data.decode=gpu: the fraction of the JPEG samples decoded on the GPU (fixed by sample
