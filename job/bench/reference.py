@@ -1,7 +1,7 @@
 """bench.reference: the hand-written PyTorch loop the trainer's one-card rows are measured against.
 
-`python -m job.bench.reference <the run's arguments>` trains the same workload, model, optimizer, precision,
-memory format, torch.compile setting and batch as `python -m job train` with the same arguments would, on
+`python -m job.bench.reference <the run's arguments>` trains the same workload, model, optimizer, precision
+(TF32 and cuDNN settings included), memory format, torch.compile setting and batch as `python -m job train` with the same arguments would, on
 one device, with nothing else: no strategy, memory plan, telemetry, checkpoints or fault handling. Its
 batches are a pool of the workload's example_batch resident on the device, as the trainer's synthetic
 data is, so the two differ only by what the trainer adds. It writes metrics.jsonl (one line at each
@@ -30,7 +30,11 @@ def main(argv: list[str]) -> int:
     w, s = resolved.workload, config_mod.workload_settings(cfg)
     cuda = t.device != "cpu" and torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if not cuda:
+    if cuda:  # the trainer's backend settings
+        torch.backends.cudnn.benchmark = t.cudnn_benchmark
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    else:
         from job.train import _cpu_threads
 
         torch.set_num_threads(_cpu_threads())  # the trainer's CPU thread count
