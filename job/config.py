@@ -153,9 +153,9 @@ class DataCfg:
     decode: str = "auto"
     """imagefolder: where JPEG files are decoded: cpu (the DataLoader workers, libjpeg-turbo), gpu (the
     training GPU, batched nvJPEG; the workers read the files, and decode the part data.gpu_share leaves
-    them) or auto (on a CUDA device both: the GPU takes the share that gives it and the data.workers the
-    same time per batch at the rates measured on one H200, all of it without workers; cpu on a CPU run).
-    Either way a sample id gets the same crop; pixels differ by the decoders' rounding."""
+    them) or auto (cpu with data.workers, gpu without workers on a CUDA device: the faster of the two in
+    each case, measured in docs/benchmarks.md). Either way a sample id gets the same crop; pixels differ by
+    the decoders' rounding."""
     gpu_share: float = 1.0
     """imagefolder with data.decode=gpu: the fraction of the JPEG samples decoded on the GPU (fixed by sample
     id, spread evenly over every batch); the workers decode the rest at the same time. 1: all on the GPU."""

@@ -34,10 +34,6 @@ from job.errors import UsageError
 log = logging.getLogger("job")
 SPLIT_SEED = 2_147_483_647  # the held-out choice of data.val_fraction: fixed, so train.seed does not move it
 SYNTHETIC_VAL = 256  # held-out synthetic samples when eval.samples is 0
-# data.decode=auto's split between the decoders: images/s of ResNet-50's training sample (random resized crop
-# to 224) from ~110 kB JPEGs, measured on one H200 and its host's cores (`python -m job.bench.decoders`,
-# docs/benchmarks.md): the card's batched nvJPEG decode with the crops, and one worker process on the CPU.
-GPU_DECODE_RATE, WORKER_DECODE_RATE = 5000.0, 286.0
 
 
 def sample_ids(g: int, micro_batch: int, *, offset: int = 0, count: int | None = None, base: int = 0) -> range:
@@ -65,19 +61,12 @@ class Data:
             raise UsageError("data.decode=gpu decodes images on the training GPU, and this run trains on the CPU; "
                              "use data.decode=auto or data.decode=cpu")
         if self.cfg.decode == "auto":
-            return "gpu" if cuda else "cpu"
+            # Measured on one H200 (docs/benchmarks.md): 15 workers decoding on the CPU keep eager ResNet-50 at
+            # 0.99x synthetic; any share on the GPU decoder costs about half the speed (0.51x with all of it,
+            # 0.51x with 54 %, the prefetch thread doing the decoding), so with workers auto leaves the card
+            # to the model. Without workers the GPU decoder is the faster by far.
+            return "gpu" if cuda and not self.cfg.workers else "cpu"
         return self.cfg.decode
-
-    @property
-    def gpu_share(self) -> float:
-        """The fraction of JPEG samples the GPU decodes: data.gpu_share under data.decode=gpu; under auto, the
-        split that gives both decoders the same time per batch at the rates measured on one H200
-        (GPU_DECODE_RATE for the card, WORKER_DECODE_RATE per worker): all on the GPU without workers, about
-        half with 15."""
-        if self.cfg.decode == "gpu":
-            return float(self.cfg.gpu_share)
-        workers = self.cfg.workers * WORKER_DECODE_RATE
-        return GPU_DECODE_RATE / (GPU_DECODE_RATE + workers)
 
     @property
     def synthetic(self) -> bool:
@@ -86,7 +75,7 @@ class Data:
     def _dataset(self, path: str, split: str):
         request = wl.DataRequest(kind=self.cfg.kind, path=path, split=split, seed=self.seed,
                                  token_dtype=self.cfg.token_dtype, decode=self.decode,
-                                 gpu_share=self.gpu_share)
+                                 gpu_share=float(self.cfg.gpu_share))
         ds = wl.call(f"workload `{self.resolved.name}`: dataset(kind={self.cfg.kind}, split={split})",
                      self.workload.dataset, self.settings, request)
         if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):

@@ -14,7 +14,6 @@ from _images_helpers import batch, make_folder
 from conftest import ROOT, job_cmd, requires_gpus
 
 from job.bench.imagefolder import image_folder
-from job.data import GPU_DECODE_RATE, WORKER_DECODE_RATE
 from job.datasets import STD, BadImage, ImageFolder, SampleIndex
 
 pytestmark = pytest.mark.gpu
@@ -70,8 +69,7 @@ def test_training_from_jpeg_files_decoded_on_the_gpu(tmp_path, strategy, decode,
     assert s["validation"]["val_samples"] == 20
     config = (tmp_path / "r" / "config.yaml").read_text()
     assert f"decode: {decode}" in config
-    auto = GPU_DECODE_RATE / (GPU_DECODE_RATE + 4 * WORKER_DECODE_RATE)  # data.decode=auto's split with 4 workers
-    part = auto if decode == "auto" else share
-    where = "gpu" if part == 1 else f"gpu ({part:.0%} of the JPEGs; the workers decode the rest)"
+    where = ("cpu" if decode == "auto" else "gpu" if share == 1 else
+             f"gpu ({share:.0%} of the JPEGs; the workers decode the rest)")
     assert f"decoded on the {where} (data.decode={decode})" in p.stderr, p.stderr[-3000:]
     print(f"{strategy}: {s['img_per_s']:,.0f} img/s")

@@ -61,20 +61,14 @@ def test_the_gpu_share_is_fixed_by_sample_id_and_spread_over_every_window():
         ImageFolder("/nonexistent", image_size=8, num_classes=2, decode="gpu", gpu_share=1.5)
 
 
-def test_data_decode_auto_splits_the_jpegs_between_the_gpu_and_the_workers_by_their_measured_rates():
-    from job.data import GPU_DECODE_RATE, WORKER_DECODE_RATE
-
+def test_data_decode_auto_is_the_workers_with_workers_and_the_gpu_without():
     def resolved(device: str, *keys: str):
         cfg = config.load(["workload=tiny", "train.device=cpu", *keys])
-        d = Data(config.workload_of(cfg), config.workload_settings(cfg), cfg.data, seed=0, device=torch.device(device))
-        return d.decode, round(d.gpu_share, 4)
+        return Data(config.workload_of(cfg), config.workload_settings(cfg), cfg.data, seed=0,
+                    device=torch.device(device)).decode
 
-    assert resolved("cuda") == ("gpu", 1.0)  # no workers: the card decodes every JPEG
-    share = round(GPU_DECODE_RATE / (GPU_DECODE_RATE + 15 * WORKER_DECODE_RATE), 4)
-    assert resolved("cuda", "data.workers=15") == ("gpu", share) and 0.5 < share < 0.6
-    assert resolved("cuda", "data.workers=15", "data.decode=gpu") == ("gpu", 1.0)  # explicit: data.gpu_share's
-    assert resolved("cuda", "data.workers=15", "data.decode=gpu", "data.gpu_share=0.3") == ("gpu", 0.3)
-    assert resolved("cpu", "data.workers=15")[0] == "cpu" and resolved("cuda", "data.decode=cpu")[0] == "cpu"
+    assert resolved("cuda") == "gpu" and resolved("cuda", "data.workers=15") == "cpu"
+    assert resolved("cpu") == "cpu" and resolved("cuda", "data.workers=15", "data.decode=gpu") == "gpu"
 
 
 def test_a_sample_id_gets_its_crop_in_every_epoch_run_and_process(tmp_path):
