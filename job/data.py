@@ -21,8 +21,12 @@ read, before the run writes anything; a file that fails later stops the run with
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
+import signal
+import threading
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -307,8 +311,11 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
         torch.multiprocessing.set_sharing_strategy("file_system")
     collate, move = _hooks(name, ds, device, channels_last)
     loader = DataLoader(ds, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
-                        collate_fn=collate, persistent_workers=persistent and workers > 0)
+                        collate_fn=collate, persistent_workers=persistent and workers > 0,
+                        worker_init_fn=_worker_signals if workers else None)
     it = iter(loader)
+    if workers:
+        _WITH_WORKERS.add(it)
     try:
         first = next(it)
     except StopIteration:
@@ -321,6 +328,48 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
     if prefetch:
         return itertools.chain([first], Prefetcher(it, device, move))
     return itertools.chain([first], (move(b) for b in it))
+
+
+# -- DataLoader workers and stop signals --------------------------------------------------------------
+# Slurm's time limit and preemption, `kill -TERM -<pgid>` and a terminal's Ctrl-C signal every process of the
+# job, the DataLoader workers too. A worker killed by SIGTERM made the training process fail ("DataLoader
+# worker ... is killed by signal: Terminated") while it finished its step and wrote the checkpoint the stop
+# promised: nothing was saved. So the workers leave stop signals to the training process, which stops at the
+# end of its step, checkpoints, and shuts them down (`shutdown_workers`, also at exit); a worker whose parent
+# dies exits by itself (DataLoader's watchdog, within 5 s).
+WORKER_GRACE_S = 60.0  # a worker told to stop that nobody shuts down exits after this long
+_WITH_WORKERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _worker_signals(_worker_id: int) -> None:
+    """A DataLoader worker's start: SIGINT ignored, SIGTERM only starts the grace period."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _worker_sigterm)
+
+
+def _worker_sigterm(signum, frame) -> None:
+    import os
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    timer = threading.Timer(WORKER_GRACE_S, os._exit, args=(0,))
+    timer.daemon = True
+    timer.start()
+
+
+def shutdown_workers() -> None:
+    """Stop the DataLoader workers of every loader still open in this process (at the end of a run, and at
+    exit: before torch's own exit hook, which would leave them to multiprocessing's terminate)."""
+    for it in list(_WITH_WORKERS):
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception as e:  # a worker already gone: nothing left to stop
+                log.debug("data: shutting the workers down: %s", e)
+        _WITH_WORKERS.discard(it)
+
+
+atexit.register(shutdown_workers)  # registered after torch's exit hook, so it runs before it
 
 
 def _rows(batch) -> int:

@@ -236,6 +236,32 @@ def test_second_ctrl_c_stops_at_once(tmp_path):
     assert "Traceback" not in job.text, job.text
 
 
+@pytest.mark.parametrize("sig,procs", [(signal.SIGTERM, 1), (signal.SIGTERM, 2), (signal.SIGINT, 1)])
+def test_a_stop_signal_to_every_process_of_the_job_spares_the_dataloader_workers(tmp_path, sig, procs):
+    """Slurm's time limit and preemption signal every process of the job, DataLoader workers too (and so do
+    `kill -TERM -<pgid>` and Ctrl-C). A worker killed by SIGTERM used to fail the run while it finished its step
+    (exit 1, no checkpoint); the workers now leave the stop to the training process, which finishes the step
+    (two micro-batches each, from the workers, through data.prefetch), checkpoints, exits 75 and resumes."""
+    from _images_helpers import make_folder
+
+    root = make_folder(tmp_path / "imgs", per_class=8)
+    data = ["data.kind=imagefolder", f"data.path={root}", "data.workers=2", "data.prefetch=true", "train.accum_steps=2",
+            "train.batch_size=8", f"strategy.nprocs={procs}", "strategy=ddp"]
+    job = train(tmp_path, "w", *data, "train.steps=100000", "train.checkpoint_every=0")
+    job.wait_for(r"^step 10/")
+    os.killpg(job.proc.pid, sig)
+    rc, _ = job.finish(timeout=60)
+    assert rc == 75, job.text
+    assert "DataLoader worker" not in job.text and "Traceback" not in job.text, job.text
+    saved = checkpoints(tmp_path, "w")
+    assert len(saved) == 1, saved
+    step = int(re.search(r"step_(\d+)", saved[0]).group(1))
+    assert step >= 10 and ckpt.load(tmp_path / "w" / "checkpoints" / saved[0])["step"] == step
+    again = train(tmp_path, "w", *data, f"train.steps={step + 2}")
+    rc, _ = again.finish()
+    assert rc == 0 and "resumed from" in again.text, again.text
+
+
 # -- a loss that stops being finite -------------------------------------------------------------------------
 def test_nan_on_one_rank_keeps_the_last_finite_checkpoint(tmp_path):
     job = train(tmp_path, "n", *DDP2, "train.steps=40", "train.checkpoint_every=4", fault="1:7:nan")
