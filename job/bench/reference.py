@@ -1,12 +1,12 @@
 """bench.reference: the hand-written PyTorch loop the trainer's one-card rows are measured against.
 
 `python -m job.bench.reference <the run's arguments>` trains the same workload, model, optimizer, precision
-(TF32 and cuDNN settings included), memory format, torch.compile setting and batch as `python -m job train` with the same arguments would, on
-one device, with nothing else: no strategy, memory plan, telemetry, checkpoints or fault handling. Its
-batches are a pool of the workload's example_batch resident on the device, as the trainer's synthetic
-data is, so the two differ only by what the trainer adds. It writes metrics.jsonl (one line at each
-train.log_every step, the same "step" and "time" keys) and summary.json, so the bench times both over the
-same steps (job.bench.runner.timed_throughput).
+(the TF32 and cuDNN settings too), memory format, torch.compile setting and batch as `python -m job train`
+with the same arguments would, on one device, with nothing else: no strategy, memory plan, telemetry,
+checkpoints or fault handling. Its batches are a pool of the workload's example_batch resident on the
+device, as the trainer's synthetic data is, so the two differ only by what the trainer adds. It writes
+metrics.jsonl (one line at each train.log_every step, the same "step" and "time" keys) and summary.json,
+so the bench times both over the same steps (job.bench.runner.timed_throughput).
 """
 
 from __future__ import annotations

@@ -107,6 +107,20 @@ def checkpoints(tmp: Path, run_id: str) -> list[str]:
     return sorted(p.name for p in (tmp / run_id / "checkpoints").glob("*"))
 
 
+def stopped_with_one_checkpoint(job: Job, tmp: Path, run_id: str, sig: int, *, after: str,
+                                absent: tuple[str, ...]) -> tuple[int, list[str]]:
+    """Once `after` is logged, `sig` to the job's whole process group: it exits 75, says none of `absent`, and
+    leaves one checkpoint; (its step, the checkpoint names)."""
+    job.wait_for(after)
+    os.killpg(job.proc.pid, sig)
+    rc, _ = job.finish(timeout=60)
+    assert rc == 75, job.text
+    assert not any(a in job.text for a in absent), job.text
+    saved = checkpoints(tmp, run_id)
+    assert len(saved) == 1, saved
+    return int(re.search(r"step_(\d+)", saved[0]).group(1)), saved
+
+
 # -- a rank fails: one line, everyone gone within the bound ---------------------------------------------------
 @pytest.mark.parametrize("fault,said,code", [
     ("1:3:raise", r"^error: rank 1 \(cpu\): RuntimeError: injected fault", 1),
@@ -197,14 +211,9 @@ def test_torchrun_rank_failure_ends_the_job(tmp_path):
 def test_ctrl_c_checkpoints_exits_75_and_resumes(tmp_path):
     args = [*DDP2, "train.steps=100000", "train.checkpoint_every=0"]
     job = train(tmp_path, "c", *args)
-    job.wait_for(r"^step 5/")
-    os.killpg(job.proc.pid, signal.SIGINT)  # what a terminal does: the whole foreground group
-    rc, _ = job.finish(timeout=60)
-    assert rc == 75, job.text
-    assert "KeyboardInterrupt" not in job.text and "Traceback" not in job.text, job.text
-    saved = checkpoints(tmp_path, "c")
-    assert len(saved) == 1, saved
-    step = int(re.search(r"step_(\d+)", saved[0]).group(1))
+    # What a terminal does: SIGINT to the whole foreground group.
+    step, saved = stopped_with_one_checkpoint(job, tmp_path, "c", signal.SIGINT, after=r"^step 5/",
+                                              absent=("KeyboardInterrupt", "Traceback"))
 
     again = train(tmp_path, "c", *DDP2, f"train.steps={step + 5}", "train.checkpoint_every=0")
     rc, _ = again.finish()
@@ -248,14 +257,8 @@ def test_a_stop_signal_to_every_process_of_the_job_spares_the_dataloader_workers
     data = ["data.kind=imagefolder", f"data.path={root}", "data.workers=2", "data.prefetch=true", "train.accum_steps=2",
             "train.batch_size=8", f"strategy.nprocs={procs}", "strategy=ddp"]
     job = train(tmp_path, "w", *data, "train.steps=100000", "train.checkpoint_every=0")
-    job.wait_for(r"^step 10/")
-    os.killpg(job.proc.pid, sig)
-    rc, _ = job.finish(timeout=60)
-    assert rc == 75, job.text
-    assert "DataLoader worker" not in job.text and "Traceback" not in job.text, job.text
-    saved = checkpoints(tmp_path, "w")
-    assert len(saved) == 1, saved
-    step = int(re.search(r"step_(\d+)", saved[0]).group(1))
+    step, saved = stopped_with_one_checkpoint(job, tmp_path, "w", sig, after=r"^step 10/",
+                                              absent=("DataLoader worker", "Traceback"))
     assert step >= 10 and ckpt.load(tmp_path / "w" / "checkpoints" / saved[0])["step"] == step
     again = train(tmp_path, "w", *data, f"train.steps={step + 2}")
     rc, _ = again.finish()

@@ -137,6 +137,7 @@ BAD = [
     (["workload=lm", "data.kind=tokens", "data.path=/nonexistent.bin"], "data.path /nonexistent.bin does not exist"),
     (["data.val_fraction=0.1"], "data.val_fraction holds part of data.path out, and data.kind=synthetic"),
     (["data.val_fraction=1.5"], "`data.val_fraction=1.5` is out of range"),
+    (["train.gc_every=-1"], "`train.gc_every=-1` is out of range"),
     (["data.gpu_share=-0.2"], "`data.gpu_share=-0.2` is out of range; give the fraction of JPEG samples"),
     (["eval.every=-1"], "`eval.every=-1` is out of range"),
     (["stray"], "unexpected argument `stray`"),
