@@ -66,9 +66,9 @@ class Data:
                              "use data.decode=auto or data.decode=cpu")
         if self.cfg.decode == "auto":
             # Measured on one H200 (docs/benchmarks.md): 15 workers decoding on the CPU keep eager ResNet-50 at
-            # 0.99x synthetic; any share on the GPU decoder costs about half the speed (0.51x with all of it,
-            # 0.51x with 54 %, the prefetch thread doing the decoding), so with workers auto leaves the card
-            # to the model. Without workers the GPU decoder is the faster by far.
+            # 0.98x synthetic; any share on the GPU decoder costs about half the speed (0.51x with all of it,
+            # 0.52x of the workers' speed with 54 %, decoded on the prefetch thread), so with workers auto
+            # leaves the card to the model. Without workers the GPU decoder is the faster by far.
             return "gpu" if cuda and not self.cfg.workers else "cpu"
         return self.cfg.decode
 
@@ -335,14 +335,19 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
 # job, the DataLoader workers too. A worker killed by SIGTERM made the training process fail ("DataLoader
 # worker ... is killed by signal: Terminated") while it finished its step and wrote the checkpoint the stop
 # promised: nothing was saved. So the workers leave stop signals to the training process, which stops at the
-# end of its step, checkpoints, and shuts them down (`shutdown_workers`, also at exit); a worker whose parent
-# dies exits by itself (DataLoader's watchdog, within 5 s).
+# end of its step, checkpoints, and shuts them down (when it frees its loaders, or at exit: shutdown_workers);
+# a worker whose parent dies exits by itself (DataLoader's watchdog, within 5 s).
 WORKER_GRACE_S = 60.0  # a worker told to stop that nobody shuts down exits after this long
 _WITH_WORKERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def _worker_signals(_worker_id: int) -> None:
-    """A DataLoader worker's start: SIGINT ignored, SIGTERM only starts the grace period."""
+    """A DataLoader worker's start: SIGINT ignored, SIGTERM only starts the grace period. A worker forked inside
+    the training loop (validation's) inherits its paused garbage collector (train.gc_every): it gets its own
+    back."""
+    import gc
+
+    gc.enable()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _worker_sigterm)
 
@@ -357,8 +362,8 @@ def _worker_sigterm(signum, frame) -> None:
 
 
 def shutdown_workers() -> None:
-    """Stop the DataLoader workers of every loader still open in this process (at the end of a run, and at
-    exit: before torch's own exit hook, which would leave them to multiprocessing's terminate)."""
+    """Stop the DataLoader workers of every loader still open in this process; at exit, before torch's own exit
+    hook, which would leave them to multiprocessing's terminate (and a SIGTERM no longer stops them)."""
     for it in list(_WITH_WORKERS):
         shutdown = getattr(it, "_shutdown_workers", None)
         if shutdown is not None:
@@ -383,9 +388,9 @@ def _format(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
 
 class Prefetcher:
     """Prepares batch n+1 while batch n trains: `move` (the copy to the device, and the dataset's to_device
-    work, such as decoding JPEGs on the GPU) runs on one background thread, so it never holds up the
-    thread that launches the model's kernels (most of its time is in C++ calls that release the GIL; a GPU
-    decode waits for the decoder there, not here).
+    work, such as decoding JPEGs on the GPU) runs on one background thread, so its Python and its waits
+    happen off the thread that launches the model's kernels. (Measured on one H200: free with the workers'
+    decoding; it did not keep the GPU decoder from halving the run, docs/benchmarks.md.)
 
     The loader is still read by the calling thread, in order (with data.workers=0 the samples are made
     there, as without prefetch); only `move` runs on the prefetch thread, one batch ahead, so no more
