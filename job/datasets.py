@@ -245,6 +245,7 @@ class ImageFolder:
         self.augment, self.size, self.decode = augment, int(image_size), decode
         self.gpu_share = float(gpu_share) if decode == "gpu" else 0.0
         self._norm: dict = {}
+        self._rng = None  # crop_of's generator, made in the process that draws (a worker)
         try:
             self.samples = datasets.ImageFolder(str(path), loader=str).samples  # [(file, class)]
         except FileNotFoundError as e:  # the folder changed since the check
@@ -253,22 +254,24 @@ class ImageFolder:
     def __len__(self) -> int:
         return len(self.samples)
 
+    def __getstate__(self):  # to spawned workers: without the generator, which each process makes itself
+        return {**self.__dict__, "_rng": None}
+
     def crop_of(self, index, h: int, w: int) -> tuple[int, int, int, int, bool]:
         """(top, left, height, width, flip) of sample `index` in an h x w image."""
         if not self.augment:
             side = min(h, w)
             return (h - side) // 2, (w - side) // 2, side, side, False
         import torch
-        from torchvision.transforms import RandomResizedCrop
 
         seed = sample_seed(index)
-        with torch.random.fork_rng(devices=[]):  # the process's own RNG (the trainer's, with 0 workers) untouched
-            if seed is not None:
-                torch.manual_seed(seed)
-            top, left, ch, cw = RandomResizedCrop.get_params(torch.empty((3, h, w), device="meta"),
-                                                             [0.08, 1.0], [3 / 4, 4 / 3])
-            flip = bool(torch.rand(()) < 0.5)
-        return top, left, ch, cw, flip
+        if seed is None:  # a plain index: torchvision's behaviour, the process's RNG
+            g = torch.default_generator
+        else:  # a generator of this process's own, re-seeded per sample: the process's RNG untouched
+            if self._rng is None:
+                self._rng = torch.Generator()
+            g = self._rng.manual_seed(seed)
+        return (*random_resized_crop(g, h, w), bool(torch.rand((), generator=g) < 0.5))
 
     def __getitem__(self, index):
         import torch
@@ -320,6 +323,35 @@ def on_gpu(index, share: float) -> bool:
         return True
     i = getattr(index, "sample_id", int(index))
     return math.floor((i + 1) * share) > math.floor(i * share)
+
+
+def random_resized_crop(g, h: int, w: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
+    """torchvision's RandomResizedCrop.get_params for an h x w image, drawn from generator `g`: the same draws
+    in the same order, so a generator seeded like torch.manual_seed gives the same crop.
+
+    Why not get_params itself: it draws from the global RNG, and re-seeding that (torch.manual_seed) also
+    queues a seed for every lazily initialised accelerator, formatting a stack trace each time: 0.4-0.8 ms
+    a sample in a DataLoader worker, a fifth of what decoding the JPEG costs."""
+    import torch
+
+    area = h * w
+    log_lo, log_hi = (float(v) for v in torch.log(torch.tensor(ratio)))
+    for _ in range(10):
+        target = area * torch.empty(1).uniform_(scale[0], scale[1], generator=g).item()
+        aspect = torch.exp(torch.empty(1).uniform_(log_lo, log_hi, generator=g)).item()  # float32, as theirs
+        cw, ch = int(round(math.sqrt(target * aspect))), int(round(math.sqrt(target / aspect)))
+        if 0 < cw <= w and 0 < ch <= h:
+            top = int(torch.randint(0, h - ch + 1, size=(1,), generator=g).item())
+            left = int(torch.randint(0, w - cw + 1, size=(1,), generator=g).item())
+            return top, left, ch, cw
+    in_ratio = w / h  # fallback: the central crop of the nearest allowed aspect ratio
+    if in_ratio < min(ratio):
+        cw, ch = w, int(round(w / min(ratio)))
+    elif in_ratio > max(ratio):
+        ch, cw = h, int(round(h * max(ratio)))
+    else:
+        cw, ch = w, h
+    return (h - ch) // 2, (w - cw) // 2, ch, cw
 
 
 def crop_resize(image, crop: tuple[int, int, int, int, bool], size: int):
@@ -396,6 +428,31 @@ class EncodedBatch:
         if self.pixels is not None:  # one copy for every image the workers decoded
             rows = torch.tensor(self.rows).to(device, non_blocking=True)
             out.index_copy_(0, rows, self.pixels.to(device, non_blocking=True))
-        for (i, it), image in zip(self.jpegs, images):  # images: in the order of the JPEGs
-            out[i] = crop_resize(image, it.crop, size)
+        if images and out.device.type == "cpu":  # the CPU's native uint8 resize: decode=cpu's very pixels
+            for (i, it), image in zip(self.jpegs, images):
+                out[i] = crop_resize(image, it.crop, size)
+        elif images:
+            rows = [i for i, _ in self.jpegs]
+            out[rows] = crops_resized(images, [it.crop for _, it in self.jpegs], size)
         return out
+
+
+def crops_resized(images: list, crops: list, size: int):
+    """len(images) x 3 x size x size uint8: crop_resize of each image, as torchvision computes it off the CPU
+    (the crop in float32, bilinear antialiased, rounded), in two kernels an image and three for the batch.
+
+    torchvision's resized_crop on each image costs ~6 kernels and its dispatch's Python; on data.prefetch's
+    thread that Python holds the GIL the training thread needs to launch its own kernels."""
+    import torch
+
+    out = torch.empty((len(images), 3, size, size), dtype=torch.float32, device=images[0].device)
+    for k, (image, (top, left, h, w, _)) in enumerate(zip(images, crops)):
+        crop = image[None, :, top:top + h, left:left + w].float()
+        if (h, w) == (size, size):
+            out[k] = crop[0]
+        else:
+            torch._C._nn._upsample_bilinear2d_aa(crop, [size, size], False, None, None, out=out[k:k + 1])
+    flips = [k for k, c in enumerate(crops) if c[4]]
+    if flips:
+        out[flips] = out[flips].flip(-1)
+    return out.round_().to(torch.uint8)

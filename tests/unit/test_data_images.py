@@ -14,7 +14,16 @@ from conftest import ROOT, job_cmd
 
 from job import config
 from job.data import Data
-from job.datasets import BadImage, EncodedBatch, ImageFolder, SampleIndex, on_gpu
+from job.datasets import (
+    BadImage,
+    EncodedBatch,
+    ImageFolder,
+    SampleIndex,
+    crops_resized,
+    on_gpu,
+    random_resized_crop,
+    sample_seed,
+)
 
 
 @pytest.mark.parametrize("augment", [False, True])
@@ -83,6 +92,49 @@ def test_a_sample_id_gets_its_crop_in_every_epoch_run_and_process(tmp_path):
     before = torch.random.get_rng_state()
     ds[SampleIndex(2, 5, 1)]
     assert torch.equal(before, torch.random.get_rng_state())  # the trainer's RNG is not moved
+
+
+def test_the_crops_are_torchvisions_random_resized_crop_draw_for_draw():
+    """crop_of draws from a generator of its own (re-seeding the global RNG per sample cost a fifth of a JPEG's
+    decode), and gets torchvision's RandomResizedCrop.get_params and flip under the same seed: every size,
+    the fallback crops of very thin images included."""
+    import random
+
+    from torchvision.transforms import RandomResizedCrop
+
+    rng, g = random.Random(25), torch.Generator()
+    shapes = [(rng.randint(1, 700), rng.randint(1, 700)) for _ in range(2000)] + [(1, 600), (600, 1), (3, 3)]
+    fallbacks = 0
+    for h, w in shapes:
+        seed = sample_seed(SampleIndex(0, rng.randrange(10**9), rng.randrange(100)))
+        torch.manual_seed(seed)
+        theirs = RandomResizedCrop.get_params(torch.empty((3, h, w), device="meta"), [0.08, 1.0], [3 / 4, 4 / 3])
+        their_flip = bool(torch.rand(()) < 0.5)
+        ours = random_resized_crop(g.manual_seed(seed), h, w)
+        assert (ours, bool(torch.rand((), generator=g) < 0.5)) == (tuple(theirs), their_flip), (h, w, seed)
+        fallbacks += ours[0] == (h - ours[2]) // 2 and ours[1] == (w - ours[3]) // 2 and (h < 4 or w < 4)
+    assert fallbacks >= 3  # the thin shapes took the fallback path
+
+
+def test_the_gpu_decoders_batched_crops_are_torchvisions_resized_crop_off_the_cpu():
+    """crops_resized (the GPU decoder's crops, a few kernels a batch) gives torchvision's resized_crop as it
+    runs on a GPU (float32, antialiased, rounded) and the flip, image by image, whatever the sizes: here on
+    CPU tensors, where the same ATen kernels' CPU versions run."""
+    import random
+
+    from torchvision.transforms.v2 import functional as F
+
+    rng, images, crops = random.Random(7), [], []
+    for k in range(40):
+        H, W = rng.randint(8, 300), rng.randint(8, 300)
+        images.append(torch.randint(0, 256, (3, H, W), dtype=torch.uint8))
+        h, w = (min(H, 24), min(W, 24)) if k < 4 else (rng.randint(1, H), rng.randint(1, W))  # some already 24 x 24
+        crops.append((rng.randint(0, H - h), rng.randint(0, W - w), h, w, k % 3 == 0))
+    out = crops_resized(images, crops, 24)
+    assert out.shape == (40, 3, 24, 24) and out.dtype == torch.uint8
+    for k, (image, (top, left, h, w, flip)) in enumerate(zip(images, crops)):
+        want = F.resized_crop(image.float(), top, left, h, w, [24, 24], antialias=True).round().to(torch.uint8)
+        assert torch.equal(out[k], F.horizontal_flip(want) if flip else want), k
 
 
 @pytest.mark.parametrize("decode", ["cpu", "gpu"])
