@@ -10,6 +10,10 @@ training sample (random resized crop to S x S and a flip) three ways:
 - `gpu`: data.decode=gpu, the training process's work: one batched nvJPEG call per B files and the crops
   on the GPU (the files' bytes read beforehand, as workers would).
 Per-process rates multiply by the DataLoader workers for the CPU decoders; the GPU rate is the whole card's.
+
+It also times the hand-over: the training process's own CPU time to receive one batch of B from a DataLoader
+worker, for `cpu` (decoded pixels) and `gpu` (the files' bytes and crops). That time is spent beside the
+thread that launches the model's kernels, and with the GIL for much of it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,33 @@ def _rate(fn, n: int, repeats: int = 3) -> tuple[float, float, float]:
         fn()
         rates.append(n / (time.perf_counter() - t))
     return statistics.median(rates), min(rates), max(rates)
+
+
+def _handover_ms(ds, ids: list, batch: int) -> float | None:
+    """The training process's CPU time (ms) per batch of `batch` read from one DataLoader worker: its own
+    threads' user and system time (the pinning thread's too on a GPU machine; the worker's is not counted,
+    and waiting for it costs none), over every batch after the first (which includes the worker's start)."""
+    import resource
+
+    import torch
+    from torch.utils.data import DataLoader
+
+    batches = [ids[j:j + batch] for j in range(0, len(ids) - batch + 1, batch)]
+    if len(batches) < 2:
+        return None
+    torch.multiprocessing.set_sharing_strategy("file_system")  # as job.data's loader
+    it = iter(DataLoader(ds, batch_sampler=batches, num_workers=1, collate_fn=ds.collate,
+                         pin_memory=torch.cuda.is_available()))
+    next(it)
+
+    def cpu_s() -> float:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+
+    start = cpu_s()
+    for _ in it:
+        pass
+    return (cpu_s() - start) / (len(batches) - 1) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,11 +106,15 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
 
         rows.append(("gpu", f"nvJPEG batches of {a.batch} + crops on {torch.cuda.get_device_name(0)}", _rate(gpu, n)))
+    handover = {d: _handover_ms(ds[d], ids, a.batch) for d in ("cpu", "gpu")}
     print(f"decoders: {n} of {folder['images']} generated JPEG files ({folder['bytes'] / folder['images'] / 1e3:.0f} kB "
           f"on average) -> {a.size}x{a.size} training samples; img/s, median (min-max) of 3")
     for name, what, (med, lo, hi) in rows:
         per = "per process" if name != "gpu" else "the card"
         print(f"  {name:<4} {med:9,.0f} ({lo:,.0f}-{hi:,.0f}) img/s {per:<11}  {what}")
+    if None not in handover.values():
+        print(f"hand-over, the training process's CPU per batch of {a.batch} from a worker: "
+              f"cpu {handover['cpu']:.1f} ms, gpu {handover['gpu']:.1f} ms")
     return 0
 
 

@@ -137,6 +137,37 @@ def test_the_gpu_decoders_batched_crops_are_torchvisions_resized_crop_off_the_cp
         assert torch.equal(out[k], F.horizontal_flip(want) if flip else want), k
 
 
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_an_encoded_batch_puts_each_decoded_image_in_its_row(tmp_path, monkeypatch, share):
+    """decode=gpu's batch as the card assembles it (the packed JPEG bytes split, decoded, cropped by
+    crops_resized and copied to their rows; the workers' pixels to theirs), run on the CPU: each row holds
+    its own sample, against the samples decoded one by one; only two tensors of bytes cross from a worker."""
+    from torchvision.io import decode_jpeg
+    from torchvision.transforms.v2 import functional as F
+
+    import job.datasets as datasets
+
+    root = make_folder(tmp_path / "imgs", per_class=6)
+    gpu = ImageFolder(root, image_size=20, num_classes=2, augment=True, decode="gpu", gpu_share=share)
+    ids = [SampleIndex(i, 40 + i, 3) for i in reversed(range(len(gpu)))]
+    raw, _ = gpu.collate([gpu[i] for i in ids])
+    assert raw.data.dim() == 1 and sum(raw.sizes) == raw.data.numel() and len(raw.sizes) == len(raw.jpegs) > 0
+    monkeypatch.setattr(datasets, "NATIVE_CPU_RESIZE", False)
+    out = raw.decode(torch.device("cpu"), 20)
+    jpeg_rows = {row for row, _, _ in raw.jpegs}
+    assert raw.rows.tolist() == [r for r in range(len(ids)) if r not in jpeg_rows]
+    for row, i in enumerate(ids):
+        item = gpu[i][0]
+        if row in jpeg_rows:  # decoded here as the card would: float crop, antialiased, rounded
+            top, left, h, w, flip = item.crop
+            want = F.resized_crop(decode_jpeg(item.data).float(), top, left, h, w, [20, 20], antialias=True)
+            want = want.round().to(torch.uint8)
+            want = F.horizontal_flip(want) if flip else want
+        else:
+            want = item
+        assert torch.equal(out[row], want), row
+
+
 @pytest.mark.parametrize("decode", ["cpu", "gpu"])
 def test_batches_are_the_same_with_workers_under_any_split(tmp_path, decode):
     """job.data's stream on image files: 2 DataLoader workers give the samples of 0 workers, and a split of
@@ -196,3 +227,22 @@ def test_data_decode_gpu_on_a_cpu_run_is_refused(tmp_path):
     p = subprocess.run(job_cmd("train", "workload=tiny", "data.decode=jpeg", "train.device=cpu"), cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "data.decode" in p.stderr.strip().splitlines()[-1], p.stderr
+
+
+def test_the_decoders_bench_times_each_cpu_decoder_and_the_hand_over(tmp_path, capsys):
+    """python -m job.bench.decoders on a CPU machine: the two CPU decoders' rates and the training process's
+    CPU per batch handed over by a worker, for decoded pixels and for the GPU decoder's packed bytes."""
+    import re
+
+    from job.bench import decoders
+
+    assert decoders.main(["--dir", str(tmp_path / "imgs"), "--files", "12", "--images", "12", "--batch", "4",
+                          "--size", "32"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"decoders: 12 of 12 generated JPEG files \(\d+ kB on average\) -> 32x32", out), out
+    for name in ("pil", "cpu"):
+        assert re.search(rf"\n  {name} +[\d,]+ \([\d,]+-[\d,]+\) img/s per process", out), out
+    assert "gpu " not in out.split("hand-over")[0]  # no card, no GPU row
+    m = re.search(r"hand-over, the training process's CPU per batch of 4 from a worker: cpu ([\d.]+) ms, "
+                  r"gpu ([\d.]+) ms", out)
+    assert m and float(m[1]) >= 0 and float(m[2]) >= 0, out
