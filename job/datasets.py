@@ -389,10 +389,10 @@ class Encoded:
 class EncodedBatch:
     """A batch of images still to decode: its JPEGs' bytes, packed into one tensor, and the pixels the workers
     decoded (files that are not JPEG, and the JPEGs that data.gpu_share leaves to the workers), stacked into
-    another. Built by the collate function, in the worker, so two tensors cross to the training process
-    whatever the batch size: one tensor a file cost the training process 16-21 ms of CPU a batch of 128
-    (a shared-memory file, its unpickling and a pinned copy each, mostly holding the GIL), 4 ms packed
-    (timed on the 2-core development machine).
+    another. Built by the collate function, in the worker, so a few tensors cross to the training process
+    whatever the batch size. One tensor a file (a shared-memory file, its unpickling and its pinned copy
+    each) cost the training process 128-148 ms of CPU a batch of 128, packed 3.6-5.3 ms (the hand-over
+    `python -m job.bench.decoders` times, on the 2-core development machine).
 
     `pin_memory` is what a DataLoader with pin_memory=True calls on it."""
 
@@ -453,8 +453,8 @@ def crops_resized(images: list, crops: list, size: int):
     """len(images) x 3 x size x size uint8: crop_resize of each image, as torchvision computes it off the CPU
     (the crop in float32, bilinear antialiased, rounded), in two kernels an image and three for the batch.
 
-    torchvision's resized_crop on each image costs ~6 kernels and its dispatch's Python; on data.prefetch's
-    thread that Python holds the GIL the training thread needs to launch its own kernels."""
+    torchvision's resized_crop on each image costs ~6 kernels and its dispatch's Python, run beside the
+    thread that launches the model's kernels (with data.prefetch) or on it."""
     import torch
 
     out = torch.empty((len(images), 3, size, size), dtype=torch.float32, device=images[0].device)
