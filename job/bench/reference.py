@@ -92,5 +92,15 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _cli(argv: list[str]) -> int:
+    from job.errors import EXIT_USAGE, UsageError
+
+    try:
+        return main(argv)
+    except UsageError as e:  # a bad argument: one line, as `python -m job train` says it
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(_cli(sys.argv[1:]))

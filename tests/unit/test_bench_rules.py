@@ -64,6 +64,17 @@ def test_bad_bench_input_is_one_line_exit_2(capsys, tmp_path, args, message):
     assert not (tmp_path / "x").exists()  # nothing started
 
 
+def test_the_reference_loop_refuses_a_bad_argument_in_one_line(capsys, tmp_path):
+    """python -m job.bench.reference (the bench's child, also run by hand to check a figure) says what is wrong
+    and exits 2, as `job train` does, not a traceback."""
+    from job.bench.reference import _cli
+
+    assert _cli(["workload=tiny", "train.device=cpu", "train.amp=none", f"train.run_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: `train.amp=none` is not valid; choose one of: off, bf16, fp16"
+    assert not any(tmp_path.iterdir())
+
+
 def test_overrides_are_what_the_user_changed_against_the_workload_preset():
     cfg = load(["workload=lm", "strategy=dp", "train.amp=bf16", "workload.layers=2", "train.steps=7",
                 "train.run_id=x", "bench.steps=3", "strategies=[dp]", "train.batch_size=16"])
