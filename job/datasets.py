@@ -412,8 +412,9 @@ class EncodedBatch:
 
     def pin_memory(self):
         for name in ("data", "pixels", "rows", "jpeg_rows"):
-            if getattr(self, name) is not None:
-                setattr(self, name, getattr(self, name).pin_memory())
+            t = getattr(self, name)
+            if t is not None and t.numel():  # an empty index (no JPEG, or none left to the workers) stays as it is
+                setattr(self, name, t.pin_memory())
         return self
 
     def __len__(self) -> int:
