@@ -12,8 +12,8 @@ training sample (random resized crop to S x S and a flip) three ways:
 Per-process rates multiply by the DataLoader workers for the CPU decoders; the GPU rate is the whole card's.
 
 It also times the hand-over: the training process's own CPU time to receive one batch of B from a DataLoader
-worker, for `cpu` (decoded pixels) and `gpu` (the files' bytes and crops). That time is spent beside the
-thread that launches the model's kernels, and with the GIL for much of it.
+worker, for `cpu` (decoded pixels) and `gpu` (the files' bytes and crops): time spent in the process whose
+thread launches the model's kernels.
 """
 
 from __future__ import annotations
