@@ -401,7 +401,7 @@ class EncodedBatch:
 
         self.n = len(items)
         encoded = [(i, it) for i, it in enumerate(items) if isinstance(it, Encoded)]
-        self.jpegs = [(i, it.crop, it.path) for i, it in encoded]  # (row in the batch, crop, file)
+        self.jpegs = [(it.crop, it.path) for _, it in encoded]  # in the order of their rows, jpeg_rows
         self.sizes = [int(it.data.numel()) for _, it in encoded]
         self.data = torch.cat([it.data for _, it in encoded]) if encoded else None
         done = [(i, it) for i, it in enumerate(items) if not isinstance(it, Encoded)]
@@ -434,7 +434,7 @@ class EncodedBatch:
                 # One file nvJPEG cannot read fails the whole call: decode those one at a time on the CPU,
                 # which names a damaged file (and reads the odd JPEG nvJPEG does not support).
                 images = [decode_pixels(f.cpu(), path).to(device, non_blocking=True)
-                          for f, (_, _, path) in zip(files, self.jpegs)]
+                          for f, (_, path) in zip(files, self.jpegs)]
                 _warn_once(f"data.decode=gpu: nvJPEG could not decode a batch ({str(e).strip().splitlines()[0]}); "
                            "it was decoded on the CPU, as every such batch will be (slower: data.decode=cpu "
                            "with data.workers decodes in parallel)")
@@ -442,10 +442,10 @@ class EncodedBatch:
         if self.pixels is not None:  # one copy for every image the workers decoded
             out.index_copy_(0, self.rows.to(device, non_blocking=True), self.pixels.to(device, non_blocking=True))
         if images and out.device.type == "cpu" and NATIVE_CPU_RESIZE:  # decode=cpu's very pixels
-            for (i, crop, _), image in zip(self.jpegs, images):
+            for i, (crop, _), image in zip(self.jpeg_rows.tolist(), self.jpegs, images):
                 out[i] = crop_resize(image, crop, size)
         elif images:
-            crops = crops_resized(images, [c for _, c, _ in self.jpegs], size)
+            crops = crops_resized(images, [c for c, _ in self.jpegs], size)
             out.index_copy_(0, self.jpeg_rows.to(device, non_blocking=True), crops)
         return out
 

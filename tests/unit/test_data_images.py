@@ -154,7 +154,7 @@ def test_an_encoded_batch_puts_each_decoded_image_in_its_row(tmp_path, monkeypat
     assert raw.data.dim() == 1 and sum(raw.sizes) == raw.data.numel() and len(raw.sizes) == len(raw.jpegs) > 0
     monkeypatch.setattr(datasets, "NATIVE_CPU_RESIZE", False)
     out = raw.decode(torch.device("cpu"), 20)
-    jpeg_rows = {row for row, _, _ in raw.jpegs}
+    jpeg_rows = set(raw.jpeg_rows.tolist())
     assert raw.rows.tolist() == [r for r in range(len(ids)) if r not in jpeg_rows]
     for row, i in enumerate(ids):
         item = gpu[i][0]
