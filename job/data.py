@@ -34,6 +34,7 @@ import torch
 from job import workload as wl
 from job.datasets import BadImage, SampleIndex  # noqa: F401  (BadImage: the data layer's one-line error)
 from job.errors import UsageError
+from job.handover import SPARE_SLOTS, HostSlots, SlotBatch, SlotCollate
 
 log = logging.getLogger("job")
 SPLIT_SEED = 2_147_483_647  # the held-out choice of data.val_fraction: fixed, so train.seed does not move it
@@ -310,9 +311,12 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
         # a GPU host as "Bad file descriptor").
         torch.multiprocessing.set_sharing_strategy("file_system")
     collate, move = _hooks(name, ds, device, channels_last)
+    if workers and persistent:  # the training stream: its batches cross in slots the workers reuse
+        collate, move = _through_slots(collate, move, device)
     loader = DataLoader(ds, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
                         collate_fn=collate, persistent_workers=persistent and workers > 0,
-                        worker_init_fn=_worker_signals if workers else None)
+                        worker_init_fn=_worker_signals if workers else None,
+                        prefetch_factor=PREFETCH_FACTOR if workers else None)
     it = iter(loader)
     if workers:
         _WITH_WORKERS.add(it)
@@ -322,12 +326,31 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
         return iter(())
     # The first batch now, so a file that does not decode is refused before the run writes anything. Its pair
     # is checked here, or by `move` after the dataset's own to_device made the tensors.
-    if getattr(ds, "to_device", None) is None:
+    if getattr(ds, "to_device", None) is None and not isinstance(first, SlotBatch):  # a SlotBatch is a pair
         _check_pair(name, "dataset items", first, _rows(first))
     first = move(first)
     if prefetch:
         return itertools.chain([first], Prefetcher(it, device, move))
     return itertools.chain([first], (move(b) for b in it))
+
+
+PREFETCH_FACTOR = 2  # batches each worker prepares ahead (DataLoader's default)
+
+
+def _through_slots(collate, move, device: torch.device):
+    """(collate, move) that hand each (x, y) batch over in the worker's reusable slots (job.handover): the
+    worker collates into its next free slot, the training process copies from it and hands it back."""
+    slots = HostSlots(device)
+
+    def move_slot(batch):
+        if not isinstance(batch, SlotBatch):
+            return move(batch)
+        try:
+            return move(slots.take(batch))
+        finally:
+            slots.release(batch)
+
+    return SlotCollate(collate, PREFETCH_FACTOR + SPARE_SLOTS), move_slot
 
 
 # -- DataLoader workers and stop signals --------------------------------------------------------------

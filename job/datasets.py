@@ -246,6 +246,10 @@ class ImageFolder:
         self.gpu_share = float(gpu_share) if decode == "gpu" else 0.0
         self._norm: dict = {}
         self._rng = None  # crop_of's generator, made in the process that draws (a worker)
+        if decode == "cpu":  # decoded pixels: torch's own collate, which the workers' hand-over stacks into its slots
+            from torch.utils.data import default_collate
+
+            self.collate = default_collate
         try:
             self.samples = datasets.ImageFolder(str(path), loader=str).samples  # [(file, class)]
         except FileNotFoundError as e:  # the folder changed since the check
@@ -290,7 +294,8 @@ class ImageFolder:
         return crop_resize(image, self.crop_of(index, image.shape[1], image.shape[2]), self.size), label
 
     def collate(self, items):
-        """A batch: (uint8 pixels, labels), or with decode="gpu" (an EncodedBatch, labels)."""
+        """A batch: (uint8 pixels, labels), or with decode="gpu" (an EncodedBatch, labels). (decode="cpu"
+        replaces this with torch's default_collate, which gives the same.)"""
         import torch
         from torch.utils.data import default_collate
 

@@ -36,29 +36,41 @@ def _rate(fn, n: int, repeats: int = 3) -> tuple[float, float, float]:
 
 
 def _handover_ms(ds, ids: list, batch: int) -> float | None:
-    """The training process's CPU time (ms) per batch of `batch` read from one DataLoader worker: its own
-    threads' user and system time (the pinning thread's too on a GPU machine; the worker's is not counted,
-    and waiting for it costs none), over every batch after the first (which includes the worker's start)."""
+    """The training process's CPU time (ms) per batch of `batch` read from one DataLoader worker through the
+    training stream's hand-over (job.handover's slots where the batch is an (x, y) pair) and, on a GPU, queued
+    for its copy to the card: the process's own threads' user and system time (the pinning thread's too; the
+    worker's is not counted, and waiting for it costs none), over every batch after the first (which includes
+    the worker's start)."""
     import resource
 
     import torch
     from torch.utils.data import DataLoader
 
+    from job.data import PREFETCH_FACTOR, _through_slots
+
     batches = [ids[j:j + batch] for j in range(0, len(ids) - batch + 1, batch)]
     if len(batches) < 2:
         return None
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+
+    def copy(b):  # the training stream's copy of a decoded batch (an encoded one is decoded later)
+        if device.type == "cuda" and isinstance(b, (tuple, list)) and all(torch.is_tensor(t) for t in b):
+            return tuple(t.to(device, non_blocking=True) for t in b)
+        return b
+
     torch.multiprocessing.set_sharing_strategy("file_system")  # as job.data's loader
-    it = iter(DataLoader(ds, batch_sampler=batches, num_workers=1, collate_fn=ds.collate,
-                         pin_memory=torch.cuda.is_available()))
-    next(it)
+    collate, move = _through_slots(ds.collate, copy, device)
+    it = iter(DataLoader(ds, batch_sampler=batches, num_workers=1, collate_fn=collate, pin_memory=device.type == "cuda",
+                         prefetch_factor=PREFETCH_FACTOR))
+    move(next(it))
 
     def cpu_s() -> float:
         r = resource.getrusage(resource.RUSAGE_SELF)
         return r.ru_utime + r.ru_stime
 
     start = cpu_s()
-    for _ in it:
-        pass
+    for b in it:
+        move(b)
     return (cpu_s() - start) / (len(batches) - 1) * 1e3
 
 

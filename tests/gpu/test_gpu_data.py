@@ -73,3 +73,32 @@ def test_training_from_jpeg_files_decoded_on_the_gpu(tmp_path, strategy, decode,
              f"gpu ({share:.0%} of the JPEGs; the workers decode the rest)")
     assert f"decoded on the {where} (data.decode={decode})" in p.stderr, p.stderr[-3000:]
     print(f"{strategy}: {s['img_per_s']:,.0f} img/s")
+
+
+@requires_gpus(1)
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_the_training_streams_pinned_slots_give_the_default_hand_overs_batches(tmp_path, monkeypatch, prefetch):
+    """On a card the workers' rings are pinned once (cudaHostRegister) and copied from asynchronously; a slot
+    handed back before its copy finished would show another batch's pixels. 40 batches from 2 workers (4
+    slots each), all kept on the card, against the same batches through the default hand-over."""
+    from job.data import _loader
+    from job.handover import HostSlots
+
+    seen: list = []
+    take = HostSlots.take
+
+    def spy(self, b):
+        seen.append(self)
+        return take(self, b)
+
+    monkeypatch.setattr(HostSlots, "take", spy)
+    folder = image_folder(tmp_path / "imgs", 64, seed=3)
+    ds = ImageFolder(folder["path"], image_size=224, num_classes=10, augment=True, decode="cpu")
+    order = [[SampleIndex(k % 64, 16 * b + k, 5) for k in range(16 * b, 16 * b + 16)] for b in range(40)]
+    cuda = torch.device("cuda", 0)
+    kw = dict(workers=2, device=cuda, channels_last=True, prefetch=prefetch)
+    slots = list(_loader("t", ds, order, persistent=True, **kw))
+    plain = list(_loader("t", ds, order, persistent=False, **kw))
+    assert len(seen) == 40 and seen[0]._pinned  # every batch through a slot; the rings pinned
+    for (xa, ya), (xb, yb) in zip(slots, plain):
+        assert torch.equal(xa, xb) and torch.equal(ya, yb)

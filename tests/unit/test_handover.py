@@ -1,0 +1,128 @@
+"""The training stream's hand-over from DataLoader workers (job.handover): each batch is collated into a slot the
+worker reuses, and the training process gets the very samples it would get the default way, however many
+batches it keeps, whatever the layout; batches that are not an (x, y) pair, or of another shape, cross the
+default way; a slot never handed back is one line in the worker, not a hang."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import job.handover as handover
+from job.data import _loader
+from job.handover import HostSlots, SlotBatch, SlotCollate
+
+CPU = torch.device("cpu")
+
+
+class Ids:
+    """Sample i: x a 3 x 4 x 5 block of i (channels-last underneath if asked, as the workers' crops are)."""
+
+    def __init__(self, channels_last: bool = False):
+        self.channels_last = channels_last
+
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i):
+        x = torch.full((4, 5, 3), float(i)).permute(2, 0, 1) if self.channels_last else torch.full((3, 4, 5), float(i))
+        return x, int(i)
+
+
+def _batches(n: int, size: int = 6, last: int | None = None) -> list[list[int]]:
+    out = [list(range(k * size, (k + 1) * size)) for k in range(n)]
+    return out + ([list(range(n * size, n * size + last))] if last else [])
+
+
+def _spy(monkeypatch) -> list[int]:
+    taken: list[int] = []
+    take = HostSlots.take
+
+    def counting(self, batch):
+        taken.append(batch.j)
+        return take(self, batch)
+
+    monkeypatch.setattr(HostSlots, "take", counting)
+    return taken
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_every_batch_kept_is_its_own_samples_though_the_slots_are_reused(monkeypatch, channels_last):
+    """30 batches from 2 workers (4 slots each) all kept: a batch handed over in slot memory the worker
+    refills would show another batch's samples here."""
+    taken = _spy(monkeypatch)
+    order = _batches(30)
+    got = list(_loader("t", Ids(channels_last), order, workers=2, device=CPU, channels_last=False, prefetch=False,
+                       persistent=True))
+    assert len(got) == 30 and len(taken) == 30 and set(taken) <= set(range(4))  # every batch through a slot
+    for (x, y), ids in zip(got, order):
+        assert x.shape == (6, 3, 4, 5) and torch.equal(y, torch.tensor(ids))
+        assert torch.equal(x, torch.tensor(ids, dtype=torch.float32).view(6, 1, 1, 1).expand(6, 3, 4, 5))
+
+
+def test_a_batch_of_another_shape_and_the_held_out_loader_cross_the_default_way(monkeypatch):
+    taken = _spy(monkeypatch)
+    order = _batches(5, last=4)  # the last batch is short
+    got = list(_loader("t", Ids(), order, workers=2, device=CPU, channels_last=False, prefetch=True, persistent=True))
+    assert [len(y) for _, y in got] == [6] * 5 + [4] and len(taken) == 5
+    assert torch.equal(got[-1][1], torch.arange(30, 34)) and float(got[-1][0][3].max()) == 33.0
+    taken.clear()
+    val = list(_loader("t", Ids(), _batches(3), workers=2, device=CPU, channels_last=False, prefetch=False,
+                       persistent=False))
+    assert len(val) == 3 and not taken  # short-lived workers keep no rings
+
+
+class Doubled(Ids):
+    """A dataset with a collate of its own that makes a pair: copied into the slot, not bypassed."""
+
+    def collate(self, items):
+        return torch.stack([x for x, _ in items]) * 2, torch.tensor([y for _, y in items])
+
+
+def test_a_datasets_own_collate_is_what_crosses(monkeypatch):
+    taken = _spy(monkeypatch)
+    got = list(_loader("t", Doubled(), _batches(12), workers=2, device=CPU, channels_last=False, prefetch=True,
+                       persistent=True))
+    assert len(taken) == 12
+    for (x, _), ids in zip(got, _batches(12)):
+        assert torch.equal(x, 2 * torch.tensor(ids, dtype=torch.float32).view(6, 1, 1, 1).expand(6, 3, 4, 5))
+
+
+class Dicts(Ids):
+    """A dataset whose own collate makes a dict, and whose to_device makes the pair."""
+
+    def collate(self, items):
+        return {"x": torch.stack([x for x, _ in items]), "y": torch.tensor([y for _, y in items])}
+
+    def to_device(self, batch, device):
+        return batch["x"].to(device), batch["y"].to(device)
+
+
+def test_what_is_not_an_x_y_pair_of_tensors_passes_through(monkeypatch):
+    taken = _spy(monkeypatch)
+    got = list(_loader("t", Dicts(), _batches(4), workers=2, device=CPU, channels_last=False, prefetch=False,
+                       persistent=True))
+    assert [y.tolist() for _, y in got] == _batches(4) and not taken
+    plain = SlotCollate(lambda items: (torch.zeros(2), torch.ones(2)), slots=4)
+    x, y = plain([1, 2])  # outside a worker (the memory plan's probes): as collated
+    assert torch.equal(x, torch.zeros(2)) and torch.equal(y, torch.ones(2))
+
+
+def test_the_cpu_side_hands_the_slot_back_with_a_copy_of_its_own():
+    ring = handover._Ring(torch.zeros(2, 3), torch.zeros(2), slots=4)
+    j = ring.slot()
+    ring.xs[j].fill_(7)
+    ring.flags[j] = 1
+    slots = HostSlots(CPU)
+    x, _ = slots.take(SlotBatch(ring.xs[j], ring.ys[j], ring.flags, j))
+    assert int(ring.flags[j]) == 0  # handed back at once
+    ring.xs[j].fill_(9)  # the worker refills it
+    assert float(x.max()) == 7.0
+
+
+def test_a_slot_never_handed_back_is_one_line_not_a_hang(monkeypatch):
+    monkeypatch.setattr(handover, "SLOT_WAIT_S", 0.05)
+    ring = handover._Ring(torch.zeros(2, 3), torch.zeros(2), slots=2)
+    ring.flags.fill_(1)
+    with pytest.raises(RuntimeError, match="did not release a batch slot in 0 s"):
+        ring.slot()
