@@ -312,7 +312,7 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
         torch.multiprocessing.set_sharing_strategy("file_system")
     collate, move = _hooks(name, ds, device, channels_last)
     if workers and persistent:  # the training stream: its batches cross in slots the workers reuse
-        collate, move = _through_slots(collate, move, device)
+        collate, move = _through_slots(collate, move)
     loader = DataLoader(ds, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
                         collate_fn=collate, persistent_workers=persistent and workers > 0,
                         worker_init_fn=_worker_signals if workers else None,
@@ -337,20 +337,16 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
 PREFETCH_FACTOR = 2  # batches each worker prepares ahead (DataLoader's default)
 
 
-def _through_slots(collate, move, device: torch.device):
+def _through_slots(collate, move):
     """(collate, move) that hand each (x, y) batch over in the worker's reusable slots (job.handover): the
-    worker collates into its next free slot, the training process copies from it and hands it back."""
-    slots = HostSlots(device)
+    worker stacks it into its next free slot; the training process copies it out (the DataLoader's pinning
+    thread on a GPU, `move` on the CPU) and hands the slot back."""
+    slots = HostSlots()
 
     def move_slot(batch):
-        if not isinstance(batch, SlotBatch):
-            return move(batch)
-        try:
-            return move(slots.take(batch))
-        finally:
-            slots.release(batch)
+        return move(slots.take(batch) if isinstance(batch, SlotBatch) else batch)
 
-    return SlotCollate(collate, PREFETCH_FACTOR + SPARE_SLOTS), move_slot
+    return SlotCollate(collate, PREFETCH_FACTOR + SPARE_SLOTS, slots.token), move_slot
 
 
 # -- DataLoader workers and stop signals --------------------------------------------------------------

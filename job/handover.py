@@ -1,26 +1,24 @@
 """How a DataLoader worker's batch reaches the training process: in shared-memory slots the worker reuses.
 
-By default each batch a worker returns is a fresh shared-memory file: the worker copies the batch into it,
-the training process maps it (a page fault per 4 kB page), a pinning thread copies it again into pinned
-memory, and the file is unmapped and deleted. For ResNet-50's uint8 batch of 256 (38.5 MB) that cost the
-training process 35-39 ms of CPU a batch (`python -m job.bench.decoders`' hand-over), most of a core at
-25 batches a second, beside the thread that launches the model's kernels.
+By default each batch a worker returns is a fresh shared-memory file: the worker stacks the batch into it,
+the training process maps it (a page fault per 4 kB page), the DataLoader's pinning thread copies it into
+pinned memory, and the file is unmapped and deleted. For ResNet-50's uint8 batch of 256 (38.5 MB) that
+cost the training process 35 ms of CPU a batch on an H200 host (`python -m job.bench.decoders`' hand-over),
+most of a core at 25 batches a second, beside the thread that launches the model's kernels.
 
 Here each worker keeps a ring of `prefetch_factor + SPARE_SLOTS` slots, made on its first batch, and
-collates into them. The training process keeps each ring mapped (torch's sharing then finds the mapping it
-already has: no page faults), pins it once on a GPU (cudaHostRegister, after the workers exist: pinned
-memory is not inherited by a fork), copies from it straight to the card, and hands the slot back once that
-copy has finished (a release thread waits on the copy's CUDA event). On the 2-core development machine a
-batch of 256 costs the training process 1.3 ms this way, without the copy.
+stacks each batch into its next free slot. The training process keeps every ring it has seen mapped (torch's
+sharing then finds the mapping it already has: no page faults, no new file), copies the batch out (into
+pinned memory on a GPU, in the pinning thread; a tensor of its own on the CPU) and hands the slot back at
+once. The samples are the same as the default hand-over's.
 
 A slot holds one (x, y) pair of tensors; anything else a collate function returns (EncodedBatch, dicts, a
-batch of another shape than the first) crosses the default way. The samples are the same either way.
+batch of another shape than the first) crosses the default way.
 """
 from __future__ import annotations
 
+import itertools
 import os
-import queue
-import threading
 import time
 import weakref
 
@@ -34,11 +32,14 @@ class SlotBatch:
     """A collated (x, y) batch in slot j of a worker's ring; flags[j] is 1 until the training process has
     its own copy of it."""
 
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, flags: torch.Tensor, j: int):
-        self.x, self.y, self.flags, self.j = x, y, flags, j
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, flags: torch.Tensor, j: int, token: int):
+        self.x, self.y, self.flags, self.j, self.token = x, y, flags, j, token
 
-    def pin_memory(self, device=None):  # a DataLoader's pinning thread: the ring is pinned once, by HostSlots
-        return self
+    def pin_memory(self, device=None):
+        """What a DataLoader's pinning thread calls (on a GPU): the batch copied into pinned memory, its
+        slot handed back."""
+        host = _HOSTS.get(self.token) or HostSlots()  # the loader's (gone: a throw-away one)
+        return host.take(self, pinned=True)
 
     def __len__(self) -> int:
         return len(self.x)
@@ -91,8 +92,8 @@ def _pair(batch) -> bool:
 class SlotCollate:
     """A DataLoader's collate_fn: `collate`, then (in a worker) the batch copied into the worker's next slot."""
 
-    def __init__(self, collate, slots: int):
-        self.collate, self.slots = collate, slots
+    def __init__(self, collate, slots: int, token: int):
+        self.collate, self.slots, self.token = collate, slots, token
         self._ring: _Ring | None = None
 
     def __getstate__(self):  # to spawned workers: each makes its own ring
@@ -119,7 +120,7 @@ class SlotCollate:
         ring.xs[j].copy_(x)
         ring.ys[j].copy_(y)
         ring.flags[j] = 1
-        return SlotBatch(ring.xs[j], ring.ys[j], ring.flags, j)
+        return SlotBatch(ring.xs[j], ring.ys[j], ring.flags, j, self.token)
 
     def _stacked(self, items) -> SlotBatch | None:
         """default_collate's batch of (tensor, int or tensor) items, stacked straight into the next slot (in
@@ -147,71 +148,26 @@ class SlotCollate:
         else:
             ring.ys[j].copy_(ids)
         ring.flags[j] = 1
-        return SlotBatch(ring.xs[j], ring.ys[j], ring.flags, j)
+        return SlotBatch(ring.xs[j], ring.ys[j], ring.flags, j, self.token)
 
 
 class HostSlots:
-    """The training process's side of the workers' rings: `take` turns a SlotBatch into the (x, y) pair to
-    copy from (the ring kept mapped, and pinned on a GPU), and `release` hands the slot back once that copy
-    is done: at once on the CPU (where `take` returns copies), after the copy's CUDA event on a GPU."""
+    """The training process's side of the workers' rings: keeps each ring it has seen mapped, so the next
+    batch in it maps nothing; `take` copies a SlotBatch out and hands its slot back."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._rings: dict[int, torch.Tensor] = {}  # storage address -> the ring's tensor, kept mapped
-        self._pinned: list[int] = []
-        self._pending: queue.SimpleQueue | None = None
-        if device.type == "cuda":
-            self._pending = queue.SimpleQueue()
-            threading.Thread(target=_release_loop, args=(self._pending,), name="job-slot-release",
-                             daemon=True).start()
-        self._finalizer = weakref.finalize(self, _close, self._pending, self._pinned, device)
-        self._finalizer.atexit = False  # at exit the process ends: nothing to hand back or unpin
+    def __init__(self):
+        self._rings: dict[int, torch.Tensor] = {}  # storage address -> the ring, kept mapped
+        self.token = next(_TOKENS)  # what its loader's SlotBatches carry, to find it from the pinning thread
+        _HOSTS[self.token] = self
 
-    def take(self, batch: SlotBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        self._keep(batch.x, pin=True)
-        self._keep(batch.y, pin=True)
-        self._keep(batch.flags, pin=False)
-        if self._pending is None:  # the CPU: the model trains on this very memory, so a copy of its own
-            x, y = batch.x.clone(), batch.y.clone()
-            batch.flags[batch.j] = 0
-            return x, y
-        return batch.x, batch.y
-
-    def release(self, batch: SlotBatch) -> None:
-        """After the copies from `take`'s tensors are queued on the current stream (a no-op on the CPU)."""
-        if self._pending is None:
-            return
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self._pending.put((event, batch.flags, batch.j))
-
-    def _keep(self, t: torch.Tensor, *, pin: bool) -> None:
-        storage = t.untyped_storage()
-        address = storage.data_ptr()
-        if address in self._rings:
-            return
-        self._rings[address] = torch.empty(0, dtype=torch.uint8).set_(storage)
-        if pin and self._pending is not None and not t.is_pinned():
-            if int(torch.cuda.cudart().cudaHostRegister(address, storage.nbytes(), 1)) == 0:  # 1: portable
-                self._pinned.append(address)
-            # else: not pinned; the copies from it are then synchronous, and the samples the same
+    def take(self, batch: SlotBatch, *, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        for t in (batch.x, batch.y, batch.flags):
+            storage = t.untyped_storage()
+            self._rings.setdefault(storage.data_ptr(), torch.empty(0, dtype=torch.uint8).set_(storage))
+        x, y = (batch.x.pin_memory(), batch.y.pin_memory()) if pinned else (batch.x.clone(), batch.y.clone())
+        batch.flags[batch.j] = 0
+        return x, y
 
 
-def _release_loop(pending: queue.SimpleQueue) -> None:
-    while True:
-        item = pending.get()
-        if item is None:
-            return
-        event, flags, j = item
-        event.synchronize()
-        flags[j] = 0
-
-
-def _close(pending, pinned: list[int], device: torch.device) -> None:
-    if pending is not None:
-        pending.put(None)
-    if pinned:
-        torch.cuda.synchronize(device)  # no copy from a ring is still in flight
-        for address in pinned:
-            int(torch.cuda.cudart().cudaHostUnregister(address))
-        pinned.clear()
+_TOKENS = itertools.count(1)
+_HOSTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # token -> its loader's HostSlots

@@ -37,10 +37,10 @@ def _rate(fn, n: int, repeats: int = 3) -> tuple[float, float, float]:
 
 def _handover_ms(ds, ids: list, batch: int) -> float | None:
     """The training process's CPU time (ms) per batch of `batch` read from one DataLoader worker through the
-    training stream's hand-over (job.handover's slots where the batch is an (x, y) pair) and, on a GPU, queued
-    for its copy to the card: the process's own threads' user and system time (the pinning thread's too; the
-    worker's is not counted, and waiting for it costs none), over every batch after the first (which includes
-    the worker's start)."""
+    training stream's hand-over (job.handover's slots where the batch is an (x, y) pair), copied out of the
+    slot (into pinned memory on a GPU) and, on a GPU, queued for its copy to the card: the process's own
+    threads' user and system time (the pinning thread's too; the worker's is not counted, and waiting for it
+    costs none), over every batch after the first (which includes the worker's start)."""
     import resource
 
     import torch
@@ -59,7 +59,7 @@ def _handover_ms(ds, ids: list, batch: int) -> float | None:
         return b
 
     torch.multiprocessing.set_sharing_strategy("file_system")  # as job.data's loader
-    collate, move = _through_slots(ds.collate, copy, device)
+    collate, move = _through_slots(ds.collate, copy)
     it = iter(DataLoader(ds, batch_sampler=batches, num_workers=1, collate_fn=collate, pin_memory=device.type == "cuda",
                          prefetch_factor=PREFETCH_FACTOR))
     move(next(it))

@@ -34,13 +34,15 @@ def _batches(n: int, size: int = 6, last: int | None = None) -> list[list[int]]:
     return out + ([list(range(n * size, n * size + last))] if last else [])
 
 
-def _spy(monkeypatch) -> list[int]:
+def _spy(monkeypatch, hosts: list | None = None) -> list[int]:
     taken: list[int] = []
     take = HostSlots.take
 
-    def counting(self, batch):
+    def counting(self, batch, **kw):
         taken.append(batch.j)
-        return take(self, batch)
+        if hosts is not None and self not in hosts:
+            hosts.append(self)
+        return take(self, batch, **kw)
 
     monkeypatch.setattr(HostSlots, "take", counting)
     return taken
@@ -50,11 +52,13 @@ def _spy(monkeypatch) -> list[int]:
 def test_every_batch_kept_is_its_own_samples_though_the_slots_are_reused(monkeypatch, channels_last):
     """30 batches from 2 workers (4 slots each) all kept: a batch handed over in slot memory the worker
     refills would show another batch's samples here."""
-    taken = _spy(monkeypatch)
+    hosts: list = []
+    taken = _spy(monkeypatch, hosts)
     order = _batches(30)
     got = list(_loader("t", Ids(channels_last), order, workers=2, device=CPU, channels_last=False, prefetch=False,
                        persistent=True))
     assert len(got) == 30 and len(taken) == 30 and set(taken) <= set(range(4))  # every batch through a slot
+    assert len(hosts) == 1 and len(hosts[0]._rings) == 2 * 3  # each worker's ring (x, y, flags) mapped once
     for (x, y), ids in zip(got, order):
         assert x.shape == (6, 3, 4, 5) and torch.equal(y, torch.tensor(ids))
         assert torch.equal(x, torch.tensor(ids, dtype=torch.float32).view(6, 1, 1, 1).expand(6, 3, 4, 5))
@@ -103,7 +107,7 @@ def test_what_is_not_an_x_y_pair_of_tensors_passes_through(monkeypatch):
     got = list(_loader("t", Dicts(), _batches(4), workers=2, device=CPU, channels_last=False, prefetch=False,
                        persistent=True))
     assert [y.tolist() for _, y in got] == _batches(4) and not taken
-    plain = SlotCollate(lambda items: (torch.zeros(2), torch.ones(2)), slots=4)
+    plain = SlotCollate(lambda items: (torch.zeros(2), torch.ones(2)), slots=4, token=0)
     x, y = plain([1, 2])  # outside a worker (the memory plan's probes): as collated
     assert torch.equal(x, torch.zeros(2)) and torch.equal(y, torch.ones(2))
 
@@ -113,8 +117,8 @@ def test_the_cpu_side_hands_the_slot_back_with_a_copy_of_its_own():
     j = ring.slot()
     ring.xs[j].fill_(7)
     ring.flags[j] = 1
-    slots = HostSlots(CPU)
-    x, _ = slots.take(SlotBatch(ring.xs[j], ring.ys[j], ring.flags, j))
+    slots = HostSlots()
+    x, _ = slots.take(SlotBatch(ring.xs[j], ring.ys[j], ring.flags, j, slots.token))
     assert int(ring.flags[j]) == 0  # handed back at once
     ring.xs[j].fill_(9)  # the worker refills it
     assert float(x.max()) == 7.0
