@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-SPARE_SLOTS = 2  # beyond the DataLoader's prefetch_factor: the batch being copied to the card, and one spare
+SPARE_SLOTS = 2  # beyond the DataLoader's prefetch_factor: the batch being copied out, and one spare
 SLOT_WAIT_S = 600.0  # a worker waiting this long for a slot the training process never released gives up
 
 
@@ -73,7 +73,7 @@ def _channels_last(t: torch.Tensor) -> bool:
 
 def _slots_like(t: torch.Tensor, slots: int) -> torch.Tensor:
     """`slots` x t's shape in shared memory, each slot laid out as t is (contiguous, or channels-last as a
-    batch stacked from the workers' crops is), so filling one is a plain copy."""
+    dataset's own collate may make it), so filling one is a plain copy."""
     if _channels_last(t):  # N x H x W x C underneath
         n, c, h, w = t.shape
         return torch.empty((slots, n, h, w, c), dtype=t.dtype).share_memory_().permute(0, 1, 4, 2, 3)
