@@ -130,3 +130,29 @@ def test_a_slot_never_handed_back_is_one_line_not_a_hang(monkeypatch):
     ring.flags.fill_(1)
     with pytest.raises(RuntimeError, match="did not release a batch slot in 0 s"):
         ring.slot()
+
+
+class Labelled(Ids):
+    """Sample i with a label of another kind: a tensor (a token window's targets), or a float."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def __getitem__(self, i):
+        x, _ = super().__getitem__(i)
+        return x, (torch.full((2,), i, dtype=torch.int64) if self.kind == "tensor" else float(i))
+
+
+@pytest.mark.parametrize("kind", ["tensor", "float"])
+def test_the_slots_give_default_collates_batches_for_every_kind_of_label(monkeypatch, kind):
+    from torch.utils.data import default_collate
+
+    taken = _spy(monkeypatch)
+    ds = Labelled(kind)
+    got = list(_loader("t", ds, _batches(12), workers=2, device=CPU, channels_last=False, prefetch=False,
+                       persistent=True))
+    assert len(taken) == 12
+    for (x, y), ids in zip(got, _batches(12)):
+        want_x, want_y = default_collate([ds[i] for i in ids])
+        assert torch.equal(x, want_x) and torch.equal(y, want_y) and y.dtype == want_y.dtype
