@@ -294,13 +294,10 @@ class ImageFolder:
         return crop_resize(image, self.crop_of(index, image.shape[1], image.shape[2]), self.size), label
 
     def collate(self, items):
-        """A batch: (uint8 pixels, labels), or with decode="gpu" (an EncodedBatch, labels). (decode="cpu"
-        replaces this with torch's default_collate, which gives the same.)"""
+        """A decode="gpu" batch: (an EncodedBatch, labels). decode="cpu" replaces this with torch's
+        default_collate ((uint8 pixels, labels)) in __init__."""
         import torch
-        from torch.utils.data import default_collate
 
-        if self.decode == "cpu":
-            return default_collate(items)
         return EncodedBatch([x for x, _ in items]), torch.tensor([y for _, y in items])
 
     def to_device(self, batch, device):

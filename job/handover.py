@@ -116,9 +116,13 @@ class SlotCollate:
         ring = self._ring
         if ring.key != _key(x, y):  # another shape than the first batch: the default hand-over
             return batch
+        return self._fill(lambda xs, ys: (xs.copy_(x), ys.copy_(y)))
+
+    def _fill(self, write) -> SlotBatch:
+        """The ring's next free slot, written by write(x slot, y slot) and marked full."""
+        ring = self._ring
         j = ring.slot()
-        ring.xs[j].copy_(x)
-        ring.ys[j].copy_(y)
+        write(ring.xs[j], ring.ys[j])
         ring.flags[j] = 1
         return SlotBatch(ring.xs[j], ring.ys[j], ring.flags, j, self.token)
 
@@ -141,14 +145,15 @@ class SlotCollate:
             ids = None
         else:
             return None
-        j = ring.slot()
-        torch.stack([x for x, _ in items], out=ring.xs[j])
-        if ids is None:
-            torch.stack(labels, out=ring.ys[j])
-        else:
-            ring.ys[j].copy_(ids)
-        ring.flags[j] = 1
-        return SlotBatch(ring.xs[j], ring.ys[j], ring.flags, j, self.token)
+
+        def write(x_slot, y_slot):
+            torch.stack([x for x, _ in items], out=x_slot)
+            if ids is None:
+                torch.stack(labels, out=y_slot)
+            else:
+                y_slot.copy_(ids)
+
+        return self._fill(write)
 
 
 class HostSlots:
@@ -163,7 +168,8 @@ class HostSlots:
     def take(self, batch: SlotBatch, *, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         for t in (batch.x, batch.y, batch.flags):
             storage = t.untyped_storage()
-            self._rings.setdefault(storage.data_ptr(), torch.empty(0, dtype=torch.uint8).set_(storage))
+            if storage.data_ptr() not in self._rings:  # a ring seen for the first time: kept mapped from now on
+                self._rings[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(storage)
         x, y = (batch.x.pin_memory(), batch.y.pin_memory()) if pinned else (batch.x.clone(), batch.y.clone())
         batch.flags[batch.j] = 0
         return x, y
