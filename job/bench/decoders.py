@@ -1,5 +1,6 @@
-"""`python -m job.bench.decoders [--images N] [--batch B] [--size S] [--dir D]`: how fast each image decoder
-turns this machine's JPEG files into training samples, to choose data.decode by measurement.
+"""`python -m job.bench.decoders [--images N] [--batch B] [--size S] [--dir D] [--procs P,...]`: how fast each
+image decoder turns this machine's JPEG files into training samples, to choose data.decode and data.workers by
+measurement.
 
 It generates (or reuses) bench.imagefolder's JPEG files in D and times, for N of them, ImageFolder's
 training sample (random resized crop to S x S and a flip) three ways:
@@ -9,7 +10,10 @@ training sample (random resized crop to S x S and a flip) three ways:
   uint8, one process;
 - `gpu`: data.decode=gpu, the training process's work: one batched nvJPEG call per B files and the crops
   on the GPU (the files' bytes read beforehand, as workers would).
-Per-process rates multiply by the DataLoader workers for the CPU decoders; the GPU rate is the whole card's.
+Per-process rates are one process alone; the GPU rate is the whole card's. `--procs 8,15` also times `cpu` in
+8, then 15 processes at once, as that many DataLoader workers: their rate together, which is what a run's
+workers can feed, and which grows less than the per-process rate times P where processes share a core's
+hyper-threads, memory bandwidth or a lower all-core clock.
 
 It also times the hand-over: the training process's own CPU time to receive one batch of B from a DataLoader
 worker, for `cpu` (decoded pixels) and `gpu` (the files' bytes and crops): time spent in the process whose
@@ -33,6 +37,37 @@ def _rate(fn, n: int, repeats: int = 3) -> tuple[float, float, float]:
         fn()
         rates.append(n / (time.perf_counter() - t))
     return statistics.median(rates), min(rates), max(rates)
+
+
+def _together(fn, n: int, procs: int) -> tuple[float, float]:
+    """Images/s of `procs` forked processes each calling fn() (n images) at once, after a warm-up call each and
+    a common start: (all together, the slowest process's own), the first over the span from the start to the
+    last process's end."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    start, out = ctx.Barrier(procs + 1), ctx.SimpleQueue()
+
+    def work():
+        import torch
+
+        torch.set_num_threads(1)  # as in a DataLoader worker
+        fn()
+        start.wait()
+        t = time.perf_counter()
+        fn()
+        out.put(time.perf_counter() - t)
+
+    children = [ctx.Process(target=work, daemon=True) for _ in range(procs)]
+    for c in children:
+        c.start()
+    start.wait()
+    t = time.perf_counter()
+    spans = [out.get() for _ in children]
+    total = time.perf_counter() - t
+    for c in children:
+        c.join()
+    return procs * n / total, n / max(spans)
 
 
 def _handover_ms(ds, ids: list, batch: int) -> float | None:
@@ -87,7 +122,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--dir", default="runs/bench-images")
     p.add_argument("--files", type=int, default=5000, help="JPEG files generated in --dir (bench.imagefolder's)")
+    p.add_argument("--procs", default="", help="comma-separated process counts to time `cpu` in at once, e.g. 8,15")
     a = p.parse_args(argv)
+    try:
+        procs = [int(v) for v in a.procs.split(",") if v.strip()]
+        if any(v < 1 for v in procs):
+            raise ValueError
+    except ValueError:
+        p.error(f"--procs {a.procs}: give process counts of 1 or more, comma-separated (e.g. --procs 8,15)")
     folder = image_folder(Path(a.dir), a.files)
     torch.set_num_threads(1)  # one worker's view: rates are per process
     ds = {d: ImageFolder(folder["path"], image_size=a.size, num_classes=10, augment=True, decode=d)
@@ -118,12 +160,16 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
 
         rows.append(("gpu", f"nvJPEG batches of {a.batch} + crops on {torch.cuda.get_device_name(0)}", _rate(gpu, n)))
+    together = [(k, *_together(cpu, n, k)) for k in procs]
     handover = {d: _handover_ms(ds[d], ids, a.batch) for d in ("cpu", "gpu")}
     print(f"decoders: {n} of {folder['images']} generated JPEG files ({folder['bytes'] / folder['images'] / 1e3:.0f} kB "
           f"on average) -> {a.size}x{a.size} training samples; img/s, median (min-max) of 3")
     for name, what, (med, lo, hi) in rows:
         per = "per process" if name != "gpu" else "the card"
         print(f"  {name:<4} {med:9,.0f} ({lo:,.0f}-{hi:,.0f}) img/s {per:<11}  {what}")
+    for k, rate, slowest in together:
+        print(f"  cpu x {k:<3} {rate:9,.0f} img/s together ({rate / k:,.0f} a process; the slowest {slowest:,.0f}), "
+              f"{k} process{'es' if k > 1 else ''} at once, as data.workers={k}")
     if None not in handover.values():
         print(f"hand-over, the training process's CPU per batch of {a.batch} from a worker: "
               f"cpu {handover['cpu']:.1f} ms, gpu {handover['gpu']:.1f} ms")

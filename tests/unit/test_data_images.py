@@ -6,6 +6,7 @@ files are one line; data.decode is checked against the device."""
 from __future__ import annotations
 
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -251,20 +252,31 @@ def test_data_decode_gpu_on_a_cpu_run_is_refused(tmp_path):
     assert p.returncode == 2 and "data.decode" in p.stderr.strip().splitlines()[-1], p.stderr
 
 
+def test_the_decoders_bench_refuses_a_process_count_that_is_not_one(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "job.bench.decoders", "--dir", str(tmp_path), "--procs", "8,0"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "--procs 8,0" in last and "--procs 8,15" in last, p.stderr
+
+
 def test_the_decoders_bench_times_each_cpu_decoder_and_the_hand_over(tmp_path, capsys):
-    """python -m job.bench.decoders on a CPU machine: the two CPU decoders' rates and the training process's
-    CPU per batch handed over by a worker, for decoded pixels and for the GPU decoder's packed bytes."""
+    """python -m job.bench.decoders on a CPU machine: the two CPU decoders' rates, the cpu decoder's in 2
+    processes at once, and the training process's CPU per batch handed over by a worker, for decoded pixels
+    and for the GPU decoder's packed bytes."""
     import re
 
     from job.bench import decoders
 
     assert decoders.main(["--dir", str(tmp_path / "imgs"), "--files", "12", "--images", "12", "--batch", "4",
-                          "--size", "32"]) == 0
+                          "--size", "32", "--procs", "2"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"decoders: 12 of 12 generated JPEG files \(\d+ kB on average\) -> 32x32", out), out
     for name in ("pil", "cpu"):
         assert re.search(rf"\n  {name} +[\d,]+ \([\d,]+-[\d,]+\) img/s per process", out), out
     assert "gpu " not in out.split("hand-over")[0]  # no card, no GPU row
+    m = re.search(r"\n  cpu x 2 +([\d,]+) img/s together \(([\d,]+) a process; the slowest ([\d,]+)\), 2 processes "
+                  r"at once, as data.workers=2\n", out)
+    assert m and int(m[1].replace(",", "")) > 0 and int(m[3].replace(",", "")) > 0, out
     m = re.search(r"hand-over, the training process's CPU per batch of 4 from a worker: cpu ([\d.]+) ms, "
                   r"gpu ([\d.]+) ms", out)
     assert m and float(m[1]) >= 0 and float(m[2]) >= 0, out
