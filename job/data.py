@@ -160,7 +160,7 @@ class Data:
         order = EpochOrder(indices, seed=self.seed)
         sampler = _BatchSampler(order, start=start, micro_batch=micro_batch, offset=offset, count=count)
         return _loader(self.resolved.name, ds, sampler, workers=self.cfg.workers, device=device, channels_last=channels_last,
-                       prefetch=prefetch, persistent=True)
+                       prefetch=prefetch, persistent=True, nice=self.cfg.worker_nice)
 
     # -- held-out batches ---------------------------------------------------------------------------
     def has_val(self, eval_every: int) -> bool:
@@ -198,7 +198,7 @@ class Data:
         ds, indices = fetch
         picked = [[SampleIndex(indices[i], i, self.seed) for i in ids] for ids in index_lists]
         loader = _loader(self.resolved.name, ds, picked, workers=self.cfg.workers, device=device, channels_last=channels_last,
-                         prefetch=False, persistent=False)
+                         prefetch=False, persistent=False, nice=self.cfg.worker_nice)
         for (x, y), n in zip(loader, counts):
             yield x, y, n
 
@@ -303,7 +303,9 @@ def _hooks(name: str, ds, device: torch.device, channels_last: bool):
 
 
 def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device, channels_last: bool, prefetch: bool,
-            persistent: bool):
+            persistent: bool, nice: int = 0):
+    import functools
+
     from torch.utils.data import DataLoader
 
     if workers:
@@ -315,7 +317,7 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
         collate, move = _through_slots(collate, move)
     loader = DataLoader(ds, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
                         collate_fn=collate, persistent_workers=persistent and workers > 0,
-                        worker_init_fn=_worker_signals if workers else None,
+                        worker_init_fn=functools.partial(_worker_start, nice=nice) if workers else None,
                         prefetch_factor=PREFETCH_FACTOR if workers else None)
     it = iter(loader)
     if workers:
@@ -360,12 +362,18 @@ WORKER_GRACE_S = 60.0  # a worker told to stop that nobody shuts down exits afte
 _WITH_WORKERS: weakref.WeakSet = weakref.WeakSet()
 
 
-def _worker_signals(_worker_id: int) -> None:
-    """A DataLoader worker's start: SIGINT ignored, SIGTERM only starts the grace period. A worker forked inside
-    the training loop (validation's) inherits its paused garbage collector (train.gc_every): it gets its own
-    back."""
+def _worker_start(_worker_id: int, *, nice: int) -> None:
+    """A DataLoader worker's start: its priority lowered by `nice` (data.worker_nice), SIGINT ignored, SIGTERM
+    only starts the grace period. A worker forked inside the training loop (validation's) inherits its paused
+    garbage collector (train.gc_every): it gets its own back."""
     import gc
+    import os
 
+    if nice:
+        try:
+            os.nice(nice)
+        except OSError:  # a sandbox that forbids it: the worker keeps the training process's priority
+            pass
     gc.enable()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _worker_sigterm)

@@ -156,3 +156,52 @@ def test_the_slots_give_default_collates_batches_for_every_kind_of_label(monkeyp
     for (x, y), ids in zip(got, _batches(12)):
         want_x, want_y = default_collate([ds[i] for i in ids])
         assert torch.equal(x, want_x) and torch.equal(y, want_y) and y.dtype == want_y.dtype
+
+
+class Niceness(Ids):
+    """Sample i: x the nice value of the process that made it."""
+
+    def __getitem__(self, i):
+        import os
+
+        return torch.full((3, 4, 5), float(os.nice(0))), int(i)
+
+
+def test_the_workers_run_at_the_training_processs_priority_lowered_by_data_worker_nice():
+    """data.worker_nice: both loaders' workers add it to the training process's nice value (capped at 19, the
+    lowest priority); 0 leaves them at the training process's."""
+    import os
+
+    base = os.nice(0)
+    for persistent in (True, False):
+        for nice, want in ((7, min(19, base + 7)), (0, base)):
+            got = list(_loader("t", Niceness(), _batches(4), workers=2, device=CPU, channels_last=False,
+                               prefetch=False, persistent=persistent, nice=nice))
+            assert {float(x.max()) for x, _ in got} == {float(want)}, (persistent, nice)
+    assert os.nice(0) == base  # the training process keeps its own
+
+
+def test_data_worker_nice_reaches_both_loaders_and_defaults_to_10(tmp_path, monkeypatch):
+    import job.data as data
+    from job import config
+    from job.data import Data
+
+    seen = []
+    real = data._loader
+
+    def spy(*a, **kw):
+        seen.append((kw["persistent"], kw["nice"]))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(data, "_loader", spy)
+    tokens = tmp_path / "t.bin"
+    torch.arange(4000, dtype=torch.int16).numpy().tofile(tokens)
+    for args, nice in (([], 10), (["data.worker_nice=3"], 3)):
+        cfg = config.load(["workload=lm", "workload.seq_len=8", "data.kind=tokens", f"data.path={tokens}",
+                           f"data.val_path={tokens}", "data.workers=1", "train.device=cpu", *args])
+        d = Data(config.workload_of(cfg), config.workload_settings(cfg), cfg.data, seed=0, device=CPU)
+        next(d.batches(micro_batch=2, start=0, offset=0, count=2, device=CPU, channels_last=False, prefetch=False))
+        next(d.val_batches(batch=2, limit=2, rank=0, world=1, device=CPU, channels_last=False))
+        assert seen[-2:] == [(True, nice), (False, nice)]
+    with pytest.raises(config.UsageError, match="data.worker_nice"):
+        config.load(["data.worker_nice=20"])
