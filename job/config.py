@@ -126,7 +126,8 @@ class TrainCfg:
     gc_every: int = 50
     """Python's garbage collector while training: the objects made before the first step are frozen
     (gc.freeze) and automatic collection is off; a collection runs every N steps instead, over what the
-    steps made since, which is little. 0: Python collects when it likes: a full collection of a trainer's
+    steps made since, which is little. What the warm-up steps made (train.compile's graphs) is collected
+    and frozen too when warm-up ends. 0: Python collects when it likes: a full collection of a trainer's
     ~330k start-up objects took 200 ms on a 2-core CPU, and it can land in any step."""
     timing_warmup: int = -1
     """Steps left out of the final throughput and the per-card peaks (-1: min(10, a tenth of the run)); a run
