@@ -769,9 +769,10 @@ def _collecting_every(steps: int):
     def settle() -> None:
         """Warm-up is over: what it made (torch.compile's graphs and guards, autotuning, CUDA graphs' records)
         is collected once and the rest frozen too, so the loop's collections walk only what later steps make.
-        Measured on one H200, compiled ResNet-50: a 10-step window holding the loop's first collection ran at
-        a third of the speed of the others in a process that had compiled from a cold cache, 6 % slower
-        after a warm one."""
+        Measured, compiled ResNet-18 on the 2-core development machine (cold compile cache): the first full
+        collection after compiling took 751 ms, and each later one 282 ms (213k objects walked every time);
+        after this, 0 ms. On one H200, compiled ResNet-50's 10-step window holding the loop's collection
+        ran at a third of the others' speed after a cold compile, 6 % slower after a warm one."""
         gc.collect()
         gc.freeze()
 
