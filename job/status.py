@@ -148,8 +148,12 @@ def _count_tasks(folder: Path, job_id: str) -> int:
 
 # -- asking Slurm ---------------------------------------------------------------------------------
 def _scontrol(job_id: str) -> dict | None:
-    """`scontrol show job -o ID` as a dict; None when the controller does not know the job (or is not here)."""
-    if not _slurm_here():
+    """`scontrol show job -o ID` as a dict; None when the controller does not know the job (or is not here).
+
+    A SLURM_CONF that names no file (a cluster torn down, a shell's stale variable) is no controller to ask:
+    scontrol would retry the file for 60 s before failing, and every `status` would wait out the timeout."""
+    conf = os.environ.get("SLURM_CONF")
+    if not _slurm_here() or (conf and not os.path.exists(conf)):
         return None
     try:
         r = subprocess.run(["scontrol", "show", "job", "-o", str(job_id)], capture_output=True, text=True,

@@ -201,6 +201,23 @@ def test_slurm_executor_without_slurm_is_a_usage_error(monkeypatch):
     assert submit.plan(load(["submit.executor=auto"])).executor == "local"
 
 
+def test_status_does_not_ask_scontrol_when_slurm_conf_names_no_file(tmp_path, monkeypatch):
+    """A SLURM_CONF that names no file (a cluster torn down): scontrol would retry it for 60 s, so status does not
+    call it and reads the job's folder alone; with the file there, it asks."""
+    from job import status
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "gone.conf"))
+    assert status._scontrol("123") is None and not calls.exists()
+    (tmp_path / "gone.conf").write_text("ClusterName=x\n")
+    assert status._scontrol("123") is None and calls.read_text() == "show job -o 123\n"
+
+
 def test_signal_is_submitits_preemption_signal():
     """The requeue path keys on the signal submitit asks Slurm for (--signal=USR2@...)."""
     import signal
