@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -41,33 +42,52 @@ def _rate(fn, n: int, repeats: int = 3) -> tuple[float, float, float]:
 
 def _together(fn, n: int, procs: int) -> tuple[float, float]:
     """Images/s of `procs` forked processes each calling fn() (n images) at once, after a warm-up call each and
-    a common start: (all together, the slowest process's own), the first over the span from the start to the
-    last process's end."""
+    a common start: (all together, the slowest process's own), the first over the span from the first start
+    to the last end (perf_counter is the system's monotonic clock, the same in every process). A process that
+    fails (a file that does not decode, killed for memory) ends it with one line."""
     import multiprocessing as mp
+    import queue
+    import threading
 
     ctx = mp.get_context("fork")
-    start, out = ctx.Barrier(procs + 1), ctx.SimpleQueue()
+    start, out = ctx.Barrier(procs), ctx.Queue()
 
     def work():
         import torch
 
         torch.set_num_threads(1)  # as in a DataLoader worker
-        fn()
-        start.wait()
-        t = time.perf_counter()
-        fn()
-        out.put(time.perf_counter() - t)
+        try:
+            fn()
+            start.wait()
+            t = time.perf_counter()
+            fn()
+            out.put((t, time.perf_counter(), None))
+        except threading.BrokenBarrierError:
+            out.put((None, None, None))  # another process failed first and says why
+        except Exception as e:  # one line for the parent; the others stop waiting at the start
+            start.abort()
+            out.put((None, None, f"{type(e).__name__}: {e}"))
 
     children = [ctx.Process(target=work, daemon=True) for _ in range(procs)]
     for c in children:
         c.start()
-    start.wait()
-    t = time.perf_counter()
-    spans = [out.get() for _ in children]
-    total = time.perf_counter() - t
+    results = []
+    while len(results) < procs:
+        try:
+            results.append(out.get(timeout=1.0))
+        except queue.Empty:  # a process killed outright says nothing: stop waiting for it
+            dead = [c for c in children if c.exitcode not in (None, 0)]
+            if dead:
+                start.abort()
+                raise RuntimeError(f"the cpu decoder in {procs} processes at once: process {dead[0].pid} ended "
+                                   f"with exit code {dead[0].exitcode} (killed for memory?)") from None
     for c in children:
         c.join()
-    return procs * n / total, n / max(spans)
+    errors = [e for *_, e in results if e]
+    if errors or any(t is None for t, *_ in results):
+        raise RuntimeError(f"the cpu decoder in {procs} processes at once: {errors[0] if errors else 'a process failed'}")
+    total = max(end for _, end, _ in results) - min(t for t, _, _ in results)
+    return procs * n / max(total, 1e-9), n / max(max(end - t for t, end, _ in results), 1e-9)
 
 
 def _handover_ms(ds, ids: list, batch: int) -> float | None:
@@ -176,5 +196,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _cli() -> int:
+    from job.datasets import BadImage
+
+    try:
+        return main()
+    except (BadImage, RuntimeError) as e:  # a file that does not decode, a process that failed: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(_cli())

@@ -252,6 +252,32 @@ def test_data_decode_gpu_on_a_cpu_run_is_refused(tmp_path):
     assert p.returncode == 2 and "data.decode" in p.stderr.strip().splitlines()[-1], p.stderr
 
 
+def test_the_decoders_bench_together_ends_with_one_line_when_a_process_fails():
+    """--procs: a process whose decoding raises, or that is killed outright, ends the measurement with one line
+    (the caller prints it, exit 1) instead of leaving the others, or the bench, waiting."""
+    import os
+    import signal
+
+    from job.bench.decoders import _together
+    from job.datasets import BadImage
+
+    def broken():
+        raise BadImage("cannot read image /data/x.jpg (damaged); fix or remove the file")
+
+    with pytest.raises(RuntimeError, match=r"in 3 processes at once: BadImage: cannot read image /data/x.jpg"):
+        _together(broken, 4, 3)
+    calls = []
+
+    def killed_when_timed():
+        calls.append(1)
+        if len(calls) == 2:  # the timed call, after the common start
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    with pytest.raises(RuntimeError, match=r"in 2 processes at once: process \d+ ended with exit code -9"):
+        _together(killed_when_timed, 4, 2)
+    assert _together(lambda: None, 4, 2)[0] > 0
+
+
 def test_the_decoders_bench_refuses_a_process_count_that_is_not_one(tmp_path):
     p = subprocess.run([sys.executable, "-m", "job.bench.decoders", "--dir", str(tmp_path), "--procs", "8,0"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
