@@ -44,8 +44,10 @@ def overlapping(a: dict, b: dict) -> bool:
     return a["min"] <= b["max"] and b["min"] <= a["max"]
 
 
-def compare(a_name: str, b_name: str, metric: str, a: dict, b: dict) -> dict[str, Any]:
-    """a/b's ratio of medians, stated as a claim only when both have repeats and the ranges do not overlap."""
+def compare(a_name: str, b_name: str, metric: str, a: dict, b: dict,
+            pairs: list[float] | None = None) -> dict[str, Any]:
+    """a/b's ratio of medians, stated as a claim only when both have repeats and the ranges do not overlap;
+    `pairs`: a/b within each repeat (`paired`), where the two ran minutes apart rather than a whole bench."""
     if min(a["n"], b["n"]) < 2:
         verdict = "one run each: no claim"
     elif overlapping(a, b):
@@ -55,7 +57,17 @@ def compare(a_name: str, b_name: str, metric: str, a: dict, b: dict) -> dict[str
     return {"a": a_name, "b": b_name, "metric": metric,
             "ratio": a["median"] / b["median"] if b["median"] else None,
             "a_median": a["median"], "b_median": b["median"],
-            "claim": verdict == "ranges do not overlap", "verdict": verdict}
+            "claim": verdict == "ranges do not overlap", "verdict": verdict, "paired": spread(pairs or [])}
+
+
+def paired(runs: list[dict], a_name: str, b_name: str, metric: str = "units_per_s") -> list[float]:
+    """a/b of each repeat in which both ran (ok). Every repeat runs each row once, so the two runs of a pair
+    are minutes apart, not a whole bench: a machine whose speed drifts over the bench moves them alike."""
+    def by_repeat(name: str) -> dict[int, float]:
+        return {r["repeat"]: r[metric] for r in runs if r["name"] == name and r["kind"] in COMPARED
+                and r["status"] == "ok" and r[metric]}
+    a, b = by_repeat(a_name), by_repeat(b_name)
+    return [a[k] / b[k] for k in sorted(a.keys() & b.keys())]
 
 
 def summarize(runs: list[dict], names: list[str], *, window: list[int]) -> list[dict]:
@@ -114,15 +126,20 @@ def summary_scaling(rows: list[dict], n: int) -> None:
 REAL_DATA = ("imagefolder", "tokens")  # the kinds of rows that read files (bench.imagefolder, bench.tokens)
 
 
-def comparisons(rows: list[dict]) -> list[dict]:
+def comparisons(rows: list[dict], runs: list[dict]) -> list[dict]:
     """Every pair of strategy rows (throughput; busiest card's peak where cards were measured), each real-data
     row against its strategy's synthetic row (throughput: where the input pipeline limits), and each one-card
-    row against the hand-written loop (throughput: what the trainer costs)."""
+    row against the hand-written loop (throughput: what the trainer costs). Throughput comparisons also
+    carry the ratio within each repeat (`runs`: every run of the rows)."""
+    def throughput(a: dict, b: dict) -> dict:
+        return compare(a["name"], b["name"], "units_per_s", a["units_per_s"], b["units_per_s"],
+                       paired(runs, a["name"], b["name"]))
+
     out = []
     strat = [r for r in rows if r["kind"] == "strategy" and r["units_per_s"]]
     for i, a in enumerate(strat):
         for b in strat[i + 1:]:
-            out.append(compare(a["name"], b["name"], "units_per_s", a["units_per_s"], b["units_per_s"]))
+            out.append(throughput(a, b))
             if a["busiest_peak_bytes"] and b["busiest_peak_bytes"]:
                 out.append(compare(a["name"], b["name"], "busiest_peak_bytes", a["busiest_peak_bytes"],
                                    b["busiest_peak_bytes"]))
@@ -130,12 +147,12 @@ def comparisons(rows: list[dict]) -> list[dict]:
         if r["kind"] in REAL_DATA and r["units_per_s"]:
             syn = next((s for s in strat if s["strategy"] == r["strategy"]), None)
             if syn is not None:
-                out.append(compare(r["name"], syn["name"], "units_per_s", r["units_per_s"], syn["units_per_s"]))
+                out.append(throughput(r, syn))
     loop = next((r for r in rows if r["kind"] == "reference" and r["units_per_s"]), None)
     if loop is not None:
         for r in rows:
             if r["kind"] == "strategy" and r["units_per_s"] and r["units"] == 1:
-                out.append(compare(r["name"], loop["name"], "units_per_s", r["units_per_s"], loop["units_per_s"]))
+                out.append(throughput(r, loop))
     return out
 
 
@@ -226,7 +243,7 @@ def bench_workload(bench: Runs, workload: str) -> dict[str, Any]:
     summary = summarize(runs, names, window=[bench.settings.warmup, bench.settings.warmup + bench.settings.steps])
     summary_scaling(summary, n)
     return workload_result(workload, ref_cfg, cards=n, runs=runs, summary=summary,
-                           comparisons=comparisons(summary), telemetry_overhead=overhead, imagefolder=images,
+                           comparisons=comparisons(summary, runs), telemetry_overhead=overhead, imagefolder=images,
                            tokens=tokens)
 
 

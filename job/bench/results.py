@@ -11,7 +11,8 @@ from typing import Any
 
 from job.breakdown import KINDS
 
-SCHEMA_ID = "trainjob-bench/4"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows
+SCHEMA_ID = "trainjob-bench/5"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
+# 5: comparisons[].paired
 # Runs whose numbers are compared across repeats (one table row each).
 COMPARED = ("baseline", "reference", "strategy", "imagefolder", "tokens")
 DATA = ("synthetic", "imagefolder", "tokens")
@@ -91,6 +92,7 @@ COMPARISON_SCHEMA = _obj({
     "a": _STR, "b": _STR, "metric": {"enum": ["units_per_s", "busiest_peak_bytes"]},
     "ratio": _nullable(_NUM), "a_median": _NUM, "b_median": _NUM,
     "claim": _BOOL, "verdict": {"enum": ["ranges do not overlap", "overlapping", "one run each: no claim"]},
+    "paired": _nullable(SPREAD_SCHEMA),
 })
 # A trial's "batch" is the value of settings.maxbatch.key it tried (the global batch, or the lm's layers).
 TRIAL_SCHEMA = _obj({"batch": _INT, "outcome": {"enum": ["fits", "too_big", "error", "interrupted"]},

@@ -80,7 +80,10 @@ def table(doc: dict, w: dict) -> str:
         for c in w["comparisons"]:
             what = unit if c["metric"] == "units_per_s" else "busiest card's peak allocated"
             ratio = f"{c['ratio']:.2f}x" if c["ratio"] is not None else "n/a"
-            lines.append(f"  {c['a']} / {c['b']}: {what} {ratio}: {c['verdict']}")
+            p = c["paired"]
+            pairs = (f"; within each repeat {p['median']:.2f}x ({p['min']:.2f}-{p['max']:.2f}, {p['n']} pairs)"
+                     if p and p["n"] > 1 else "")
+            lines.append(f"  {c['a']} / {c['b']}: {what} {ratio}: {c['verdict']}{pairs}")
     if w.get("imagefolder"):
         i = w["imagefolder"]
         lines.append(f"imagefolder: {i['images']} generated JPEG files ({i['bytes'] / i['images'] / 1e3:.0f} kB "

@@ -167,7 +167,7 @@ def _gpu_doc() -> dict:
     summary = bench.summarize(runs, ["1gpu", "dp", "ddp", "balanced"], window=[10, 60])
     bench.summary_scaling(summary, 2)
     w = {"workload": "lm", "unit": "tok", "units_per_sample": 1024, "global_batch": 16, "cards": 2, "runs": runs,
-         "summary": summary, "comparisons": bench.comparisons(summary), "telemetry_overhead": None,
+         "summary": summary, "comparisons": bench.comparisons(summary, runs), "telemetry_overhead": None,
          "imagefolder": None, "tokens": None, "maxbatch": None, "profiles": None}
     return {"schema": bench.SCHEMA_ID, "mode": "compare", "device": "cuda", "cards": 2, "settings": _settings(),
             "tenant": {"gb": 80.0, "device": "cuda:0", "pid": 1234}, "environment": _env(), "workloads": [w],
@@ -195,7 +195,7 @@ def test_gpu_shaped_results_table_and_chart(tmp_path):
     assert "baseline" in next(x for x in lines if x.startswith("1gpu "))
     assert "failed: torch.OutOfMemoryError: CUDA out of memory" in next(x for x in lines if x.startswith("balanced"))
     # dp's and ddp's ranges do not overlap: claims; balanced never ran.
-    assert "  dp / ddp: tok/s 0.18x: ranges do not overlap" in lines
+    assert "  dp / ddp: tok/s 0.18x: ranges do not overlap; within each repeat 0.18x (0.18-0.18, 2 pairs)" in lines
     assert "  dp / ddp: busiest card's peak allocated 1.70x: ranges do not overlap" in lines
     assert not any("balanced /" in x for x in lines)
     # memory by kind per card, GB (10^9 bytes), medians of the repeats: dp's optimizer state only on card 0
@@ -240,6 +240,21 @@ def test_spread_and_the_claim_rule():
     assert bench.rotated(["a", "b", "c"], 0) == ["a", "b", "c"]
     assert bench.rotated(["a", "b", "c"], 1) == ["b", "c", "a"]
     assert bench.rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+
+
+def test_paired_ratios_follow_each_repeat_through_a_drifting_machine():
+    """The machine speeds up by half between repeats: the medians' ranges overlap, the pairs do not move."""
+    runs = [_run(name, "strategy", name, [], 1, rate * speed, repeat=rep)
+            for rep, speed in ((1, 1.0), (2, 1.5), (3, 1.2)) for name, rate in (("a", 90.0), ("b", 100.0))]
+    runs.append(_run("a", "strategy", "a", [], 1, None, repeat=4, status="failed", reason="x"))
+    runs.append(_run("b", "strategy", "b", [], 1, 100.0, repeat=4))  # its partner failed: no pair
+    assert bench.paired(runs, "a", "b") == pytest.approx([0.9, 0.9, 0.9])
+    rows = bench.summarize(runs, ["a", "b"], window=[10, 60])
+    (c,) = bench.comparisons(rows, runs)
+    assert c["verdict"] == "overlapping"
+    assert c["paired"] == {"median": pytest.approx(0.9), "min": pytest.approx(0.9), "max": pytest.approx(0.9), "n": 3}
+    single = bench.compare("a", "b", "units_per_s", bench.spread([1.0]), bench.spread([2.0]))
+    assert single["paired"] is None
 
 
 def test_schema_rejects_a_missing_or_mistyped_key():
