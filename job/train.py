@@ -37,6 +37,9 @@ from job.strategies import build as build_strategy
 
 log = logging.getLogger("job")
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+# A log line names the share of its window the loop waited for batches from this much on (5 %): below it the
+# wait is noise of the clock and the queue; above it the data path, not the model, sets the speed.
+DATA_WAIT_SHOWN = 0.05
 _stop = threading.Event()
 _stop_signal: list[int | None] = [None]
 
@@ -234,6 +237,7 @@ class Trainer:
         self._saved_step = -1
         self._faults = failure.faults()  # the JOB_FAULT test hook; empty unless set
         self._loss_sum = torch.zeros((), device=self.device)  # this rank's loss since the last log line
+        self._data_wait = 0.0  # seconds the loop waited for its next batch since the last log line
         self._bad_loss = False  # this rank has seen a loss that is not finite
         self._nonfinite: str | None = None  # why the run ended without a checkpoint over the last finite one
         # Weights are restored before the strategy wraps or replicates the model, the optimizer after
@@ -560,7 +564,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         for micro in range(t.accum_steps):
             with phases.mark("data"):
+                waiting = time.perf_counter()
                 x, y = next(self.batches)
+                self._data_wait += time.perf_counter() - waiting
             with self.strategy.backward_sync(micro == t.accum_steps - 1):
                 with self.precision.autocast():
                     with phases.mark("forward+loss"):
@@ -594,10 +600,13 @@ class Trainer:
             steps = self.step - self._logged_step
             self._last_loss = self.strategy.mean(self._loss_sum.item() / steps)
             rate = steps * t.batch_size / (now - self._logged_at)
+            wait = self._data_wait / (now - self._logged_at)
             val = self.evaluator.run(self.step) if evaluating else None  # weights and RNG left as they were
             card_every = self.cfg.telemetry.log_every or t.log_every
-            self._log_step(self._last_loss, rate, cards=self.step % card_every == 0 or self.step == t.steps, val=val)
+            self._log_step(self._last_loss, rate, wait, cards=self.step % card_every == 0 or self.step == t.steps,
+                           val=val)
         self._loss_sum.zero_()
+        self._data_wait = 0.0
         self._logged_at, self._logged_step = time.perf_counter(), self.step
         return not math.isfinite(self._last_loss)
 
@@ -616,7 +625,9 @@ class Trainer:
         rows = report.card_rows(self.devices, rank=self.env.rank, plan_cards=self.strategy.local_cards(self.plan))
         return [r for per_rank in self.strategy.all_gather_object(rows) for r in per_rank]
 
-    def _log_step(self, loss: float, rate: float, *, cards: bool, val: dict | None = None) -> None:
+    def _log_step(self, loss: float, rate: float, wait: float, *, cards: bool, val: dict | None = None) -> None:
+        """`wait`: the share of the window this rank's loop spent waiting for its next batch (from DataLoader
+        workers, the pinning thread, a file): the line says it from DATA_WAIT_SHOWN on, metrics.jsonl always."""
         rows = self._rows()
         kinds = self.memory.rows()
         if val is not None and self.telemetry is not None:
@@ -625,13 +636,15 @@ class Trainer:
             return
         unit = self.workload.unit
         k = self.workload.units(self.settings)
-        log.info("step %d/%d  loss %.4f  %s %s/s", self.step, self.cfg.train.steps, loss, f"{rate * k:,.0f}", unit)
+        waited = f"  waited for data {wait:.0%}" if wait >= DATA_WAIT_SHOWN else ""
+        log.info("step %d/%d  loss %.4f  %s %s/s%s", self.step, self.cfg.train.steps, loss, f"{rate * k:,.0f}", unit,
+                 waited)
         if cards and rows:
             log.info("%s", report.card_line(self.step, rows))
         if val is not None:
             log.info("%s", self.evaluator.line(val))
         record = {"step": self.step, "loss": loss, "samples_per_s": rate, f"{unit}_per_s": rate * k,
-                  "time": time.time(), "cards": rows, "memory_breakdown": kinds, **(val or {})}
+                  "data_wait": wait, "time": time.time(), "cards": rows, "memory_breakdown": kinds, **(val or {})}
         self.rundir.append_line("metrics.jsonl", json.dumps(record))
 
     def save_checkpoint(self) -> None:
