@@ -599,8 +599,8 @@ class Trainer:
         with self.clock.paused():
             steps = self.step - self._logged_step
             self._last_loss = self.strategy.mean(self._loss_sum.item() / steps)
-            rate = steps * t.batch_size / (now - self._logged_at)
-            wait = self._data_wait / (now - self._logged_at)
+            elapsed = now - self._logged_at
+            rate, wait = steps * t.batch_size / elapsed, self._data_wait / elapsed
             val = self.evaluator.run(self.step) if evaluating else None  # weights and RNG left as they were
             card_every = self.cfg.telemetry.log_every or t.log_every
             self._log_step(self._last_loss, rate, wait, cards=self.step % card_every == 0 or self.step == t.steps,
