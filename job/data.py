@@ -313,8 +313,11 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
         # a GPU host as "Bad file descriptor").
         torch.multiprocessing.set_sharing_strategy("file_system")
     collate, move = _hooks(name, ds, device, channels_last)
+    made = None
     if workers and persistent:  # the training stream: its batches cross in slots the workers reuse
         collate, move = _through_slots(collate, move)
+        made = torch.zeros(workers, dtype=torch.int64).share_memory_()
+        collate = CountingCollate(collate, made)
     loader = DataLoader(ds, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
                         collate_fn=collate, persistent_workers=persistent and workers > 0,
                         worker_init_fn=functools.partial(_worker_start, nice=nice) if workers else None,
@@ -332,11 +335,55 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
         _check_pair(name, "dataset items", first, _rows(first))
     first = move(first)
     if prefetch:
-        return itertools.chain([first], Prefetcher(it, device, move))
-    return itertools.chain([first], (move(b) for b in it))
+        stream = itertools.chain([first], Prefetcher(it, device, move))
+    else:
+        stream = itertools.chain([first], (move(b) for b in it))
+    return Stream(stream, made) if made is not None else stream
 
 
 PREFETCH_FACTOR = 2  # batches each worker prepares ahead (DataLoader's default)
+
+
+class CountingCollate:
+    """A DataLoader's collate_fn: `collate`, then (in a worker) the batch's samples added to the worker's own
+    cell of `made`, a shared-memory counter the training process reads (Stream.counts)."""
+
+    def __init__(self, collate, made: torch.Tensor):
+        self.collate, self.made = collate, made
+
+    def __call__(self, items):
+        from torch.utils.data import get_worker_info
+
+        batch = self.collate(items)
+        info = get_worker_info()
+        if info is not None:
+            self.made[info.id] += len(items)
+        return batch
+
+
+class Stream:
+    """The training stream of a loader with workers: its (x, y) batches, and how many samples the workers have
+    made against how many the loop has taken (`counts`).
+
+    The workers read ahead (data.workers x PREFETCH_FACTOR batches, filled while the first step compiles
+    or autotunes), so for a while a run can train faster than its input pipeline makes samples, drawing
+    the read-ahead down. Over a window, samples made / samples taken below 1 says so, whatever the
+    loop's own rate: the bench's real-data rows use it to report the rate a run sustains."""
+
+    def __init__(self, it, made: torch.Tensor):
+        self.it, self.made, self.taken = it, made, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        x, y = next(self.it)
+        self.taken += len(x)
+        return x, y
+
+    def counts(self) -> tuple[int, int]:
+        """(samples the workers have collated, samples this stream has handed out) since it started."""
+        return int(self.made.sum()), self.taken
 
 
 def _through_slots(collate, move):

@@ -643,8 +643,11 @@ class Trainer:
             log.info("%s", report.card_line(self.step, rows))
         if val is not None:
             log.info("%s", self.evaluator.line(val))
+        counts = getattr(self.batches, "counts", None)  # a stream with DataLoader workers (job.data.Stream)
+        made, taken = counts() if counts is not None else (None, None)
         record = {"step": self.step, "loss": loss, "samples_per_s": rate, f"{unit}_per_s": rate * k,
-                  "data_wait": wait, "time": time.time(), "cards": rows, "memory_breakdown": kinds, **(val or {})}
+                  "data_wait": wait, "data_made": made, "data_taken": taken, "time": time.time(), "cards": rows,
+                  "memory_breakdown": kinds, **(val or {})}
         self.rundir.append_line("metrics.jsonl", json.dumps(record))
 
     def save_checkpoint(self) -> None:

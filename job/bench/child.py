@@ -72,6 +72,22 @@ def timed_throughput(records: list[dict], *, warmup: int, total: int, batch: int
     return (total - warmup) * batch / dt if dt > 0 else None
 
 
+def input_throughput(records: list[dict], *, warmup: int, total: int, trained: float) -> float | None:
+    """Samples/s the run's input pipeline made over the same records' window, on the scale of `trained` (the
+    timed samples/s): `trained` x samples rank 0's DataLoader workers made / samples its loop took in it
+    (job.data.Stream). None where the run has no workers' counts (synthetic data, data.workers=0).
+
+    Below `trained`, the timed steps drew on batches the workers had read ahead before the window (during
+    start-up they fill data.workers x 2 batches while the loop waits for its first step): a rate the run
+    does not sustain."""
+    by_step = {r.get("step"): r for r in records}
+    a, b = by_step.get(warmup), by_step.get(total)
+    if a is None or b is None or a.get("data_made") is None or b.get("data_made") is None:
+        return None
+    taken = int(b["data_taken"]) - int(a["data_taken"])
+    return trained * (int(b["data_made"]) - int(a["data_made"])) / taken if taken > 0 else None
+
+
 class _Scraper(threading.Thread):
     """Scrapes a /metrics URL every `interval` seconds, as Prometheus would, while a run trains."""
 
@@ -252,6 +268,8 @@ class Runs:
         sps = timed_throughput(records, warmup=warmup, total=total, batch=row["batch_size"])
         if sps is None:
             raise ValueError(f"metrics.jsonl has no records for steps {warmup} and {total}")
+        made = input_throughput(records, warmup=warmup, total=total, trained=sps)
+        trained, sps = sps, min(sps, made) if made is not None else sps  # what the run sustains
         k = config_mod.workload_of(child_cfg).workload.units(config_mod.workload_settings(child_cfg))
         kinds = {(b["rank"], b["device"]): b["kinds"] for b in summary.get("memory_breakdown", [])}
         cards = [{**{key: r.get(key) for key in CARD_SCHEMA["properties"]}, "kinds": kinds.get((r["rank"], r["device"]))}
@@ -262,6 +280,7 @@ class Runs:
             "world_size": world, "units": len(cards) or world, "timed_steps": steps,
             "samples_per_s": sps, "units_per_s": sps * k, "step_s": row["batch_size"] / sps,
             "trainer_samples_per_s": float(summary["samples_per_s"]),
+            "trained_samples_per_s": trained, "input_samples_per_s": made,
             "imbalance": summary.get("imbalance"), "cards": cards, "peak_window": window,
             "params": summary.get("params"),
         })

@@ -84,6 +84,7 @@ def table(doc: dict, w: dict) -> str:
             pairs = (f"; within each repeat {p['median']:.2f}x ({p['min']:.2f}-{p['max']:.2f}, {p['n']} pairs)"
                      if p and p["n"] > 1 else "")
             lines.append(f"  {c['a']} / {c['b']}: {what} {ratio}: {c['verdict']}{pairs}")
+    lines += _input_lines(w, unit)
     if w.get("imagefolder"):
         i = w["imagefolder"]
         lines.append(f"imagefolder: {i['images']} generated JPEG files ({i['bytes'] / i['images'] / 1e3:.0f} kB "
@@ -102,6 +103,25 @@ def table(doc: dict, w: dict) -> str:
                          f"{o['off_median_step_s'] * 1e3:.2f} ms off -> {o['on_median_step_s'] * 1e3:.2f} ms on "
                          f"= {o['overhead']:+.2%}" + (f" ({o['note']})" if o["note"] else ""))
     return "\n".join(lines)
+
+
+def _input_lines(w: dict, unit: str) -> list[str]:
+    """Real-data rows: what the timed steps trained and what the workers made in them (medians); the row shows
+    the lower, the rate the run sustains once the batches read ahead during start-up are used up."""
+    import statistics
+
+    k, lines = w["units_per_sample"], []
+    for name in dict.fromkeys(r["name"] for r in w["runs"] if r["input_samples_per_s"] is not None):
+        ok = [r for r in w["runs"] if r["name"] == name and r["status"] == "ok" and r["input_samples_per_s"] is not None]
+        if not ok:
+            continue
+        trained = statistics.median(r["trained_samples_per_s"] for r in ok) * k
+        made = statistics.median(r["input_samples_per_s"] for r in ok) * k
+        lines.append(f"  {name}: the timed steps trained {trained:,.0f} {unit}, its workers made {made:,.0f} "
+                     f"{unit} in them" + (" (the row: the lower; the rest came from batches read ahead)"
+                                          if made < trained else ""))
+    return (["real-data rows (medians): the rate sustained is the lower of what was trained and what the workers "
+             "made"] + lines) if lines else []
 
 
 def _kinds_table(rows: list[dict]) -> list[str]:

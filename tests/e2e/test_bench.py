@@ -291,6 +291,12 @@ def test_imagefolder_rows_end_to_end(tmp_path):
     syn, img = runs["dp"], runs["dp+imagefolder"]
     assert (syn["data"], img["data"], img["kind"]) == ("synthetic", "imagefolder", "imagefolder")
     assert img["status"] == "ok" and img["samples_per_s"] > 0 and img["world_size"] == 1
+    # A real-data row's rate is the lower of what it trained and what its workers made in the same window; the
+    # synthetic row has no workers to count.
+    assert img["input_samples_per_s"] > 0 and syn["input_samples_per_s"] is None
+    assert img["samples_per_s"] == min(img["trained_samples_per_s"], img["input_samples_per_s"])
+    assert syn["samples_per_s"] == syn["trained_samples_per_s"]
+    assert re.search(r"\n  dp\+imagefolder: the timed steps trained [\d,]+ img/s, its workers made [\d,]+ img/s", p.stdout)
     for arg in ("data.kind=imagefolder", f"data.path={images}", "data.prefetch=true", "data.workers=1"):
         assert arg in img["command"], img["command"]
     assert "kind: imagefolder" in (Path(img["run_dir"]) / "config.yaml").read_text()

@@ -93,6 +93,20 @@ def test_timed_throughput_uses_the_logged_window():
     assert bench.timed_throughput(recs, warmup=2, total=12, batch=32) is None
 
 
+def test_input_throughput_is_what_the_workers_made_in_the_window():
+    """The loop took 8 batches of 32 in the window while the workers made 6 (it drew 2 from the read-ahead):
+    the input pipeline made 3/4 of the timed rate. Without the workers' counts there is no figure."""
+    recs = [{"step": 2, "time": 100.0, "data_made": 640, "data_taken": 64},
+            {"step": 10, "time": 104.0, "data_made": 832, "data_taken": 320}]
+    trained = bench.timed_throughput(recs, warmup=2, total=10, batch=32)
+    assert bench.input_throughput(recs, warmup=2, total=10, trained=trained) == pytest.approx(trained * 192 / 256)
+    filled = [dict(recs[0]), {**recs[1], "data_made": 1000}]  # the workers made more than was taken: a refill
+    assert bench.input_throughput(filled, warmup=2, total=10, trained=trained) > trained
+    synthetic = [{**r, "data_made": None, "data_taken": None} for r in recs]
+    assert bench.input_throughput(synthetic, warmup=2, total=10, trained=trained) is None
+    assert bench.input_throughput([{"step": 2, "time": 1.0}, recs[1]], warmup=2, total=10, trained=trained) is None
+
+
 @pytest.mark.parametrize("log, line", [
     ("step 1\nerror: ddp: micro-batch 15 is not a multiple of 2 ranks\n", "ddp: micro-batch 15 is not a multiple of 2 ranks"),
     ("Traceback (most recent call last):\n  File x\ntorch.OutOfMemoryError: CUDA out of memory. Tried\n",
@@ -126,7 +140,8 @@ def _run(name, kind, strategy, cards, world, sps, *, repeat=1, status="ok", reas
          "reason": reason, "exit_code": 0 if status == "ok" else 1, "command": ["python", "-m", "job", "train"],
          "env": {}, "run_dir": "/x", "log": "/x.log", "wall_s": 30.0, "batch_size": 16, "world_size": world,
          "units": len(cards), "timed_steps": 50, "samples_per_s": sps, "units_per_s": sps * 1024 if sps else None,
-         "step_s": 16 / sps if sps else None, "trainer_samples_per_s": sps, "imbalance": None, "scaling_vs_1": None,
+         "step_s": 16 / sps if sps else None, "trainer_samples_per_s": sps, "trained_samples_per_s": sps,
+         "input_samples_per_s": None, "imbalance": None, "scaling_vs_1": None,
          "scaling_note": None, "peak_window": list(window) if status == "ok" else None, "window_note": None,
          "cards": cards, "scrapes_ok": None, "scrapes_failed": None, "params": None}
     if len(cards) > 1:

@@ -121,3 +121,46 @@ def test_the_prefetcher_moves_the_next_batch_on_its_thread_in_order_and_raises_i
     assert torch.equal(next(done)[0], torch.ones(1))
     with pytest.raises(StopIteration):
         next(done)
+
+
+class _Items:
+    """Sample i: (a 2-vector of i, i)."""
+
+    def __len__(self) -> int:
+        return 10_000
+
+    def __getitem__(self, i):
+        return torch.full((2,), float(i)), int(i)
+
+
+def test_the_stream_counts_what_its_workers_made_against_what_the_loop_took():
+    """The training stream with workers says how many samples the workers have collated and how many it handed
+    out: the difference is the read-ahead (every batch the DataLoader asked for, done), never more, so a
+    window of a run that drew it down shows fewer made than taken (the bench's real-data rows use it)."""
+    import time
+
+    sampler = [list(range(k * 6, (k + 1) * 6)) for k in range(40)]
+    stream = data._loader("t", _Items(), sampler, workers=2, device=torch.device("cpu"), channels_last=False,
+                          prefetch=False, persistent=True)
+    assert isinstance(stream, data.Stream)
+    for _ in range(3):
+        x, y = next(stream)
+    assert y.tolist() == list(range(12, 18))
+    read_ahead = 2 * data.PREFETCH_FACTOR * 6  # batches asked of the 2 workers and not yet taken, 6 samples each
+    deadline = time.monotonic() + 30
+    while stream.counts()[0] - stream.counts()[1] < read_ahead and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stream.counts() == (18 + read_ahead, 18)
+    time.sleep(0.3)
+    assert stream.counts() == (18 + read_ahead, 18)  # the workers stop there: the read-ahead is full
+    before = stream.counts()
+    for _ in range(4):  # taken from the read-ahead faster than the workers refill it
+        next(stream)
+    made, taken = stream.counts()
+    assert taken - before[1] == 24 and made - before[0] <= 24
+    # Held-out loaders (short-lived workers) and loaders without workers are plain iterators.
+    val = data._loader("t", _Items(), sampler[:2], workers=2, device=torch.device("cpu"), channels_last=False,
+                       prefetch=False, persistent=False)
+    none = data._loader("t", _Items(), sampler[:2], workers=0, device=torch.device("cpu"), channels_last=False,
+                        prefetch=False, persistent=True)
+    assert not isinstance(val, data.Stream) and not isinstance(none, data.Stream)
