@@ -1,0 +1,49 @@
+"""A one-process run pays for nothing it does not use: `ddp` with one rank joins no process group, wraps the
+model in no DistributedDataParallel (nor compiles such a wrapper, whose graph breaks at bucket boundaries), and
+its collectives are the identity, so the step is the plain model's, eager or compiled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+from torch import nn
+
+from job.config import StrategyCfg
+from job.strategies.ddp import DDPStrategy
+
+
+def _loss(out, y, reduction="mean"):
+    return nn.functional.cross_entropy(out, y, reduction=reduction)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_ddp_as_one_process_runs_the_plain_model(compile):
+    model = nn.Linear(4, 3)
+    s = DDPStrategy(OmegaConf.structured(StrategyCfg(name="ddp")), devices=[torch.device("cpu")])
+    s.check(micro_batch=8)
+    s.setup(model, _loss, compile=compile)
+    with s.backward_sync(True):  # wraps the model, as the first step does
+        pass
+    assert not dist.is_initialized() and not s.distributed and s.ctrl is None and s.ddp is None
+    plain = getattr(s.forward, "_orig_mod", s.forward)
+    assert plain is model and not isinstance(s.forward, nn.parallel.DistributedDataParallel)
+    assert isinstance(s.forward, torch._dynamo.eval_frame.OptimizedModule) == compile
+    if compile:  # compiling a step on the CPU takes a minute; what runs is the compiled plain model
+        return
+    x, y = torch.randn(8, 4), torch.randint(0, 3, (8,))
+    with s.backward_sync(True):
+        loss = s.loss(x, y)
+        loss.backward()
+    # The loss is the plain model's mean over the micro-batch, and so is its gradient.
+    ref = nn.Linear(4, 3)
+    ref.load_state_dict(model.state_dict())
+    ref.zero_grad()
+    want = _loss(ref(x), y)
+    want.backward()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(model.weight.grad, ref.weight.grad)
+    # Collectives are the identity: nothing to synchronise.
+    assert s.all_gather_object({"a": 1}) == [{"a": 1}] and s.mean(2.5) == 2.5 and s.any(True) and not s.any(False)
+    s.barrier()
