@@ -72,6 +72,12 @@ SHARED = {"test_slurm.py": "slurm", "test_slurm_multinode.py": "slurm",
           "test_docker.py": "docker", "test_k8s_docker.py": "docker"}
 
 
+# tryfirst: xdist's worker turns an `xdist_group` mark into the nodeid's `@group` suffix (which is what
+# --dist loadgroup schedules by) in its own pytest_collection_modifyitems, registered after this conftest
+# and so called before this hook unless this one goes first. Without it the marks came too late: both
+# workers ran Docker and Slurm tests at once, each starting its own engine (one waited for the other's
+# data-root lock) and its own cluster.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     first = []
     for item in items:
@@ -81,3 +87,17 @@ def pytest_collection_modifyitems(config, items):
         first.append(group is None)
     order = sorted(range(len(items)), key=lambda i: first[i])  # stable: file order within each part
     items[:] = [items[i] for i in order]
+
+
+def pytest_collection_finish(session):
+    """Under --dist loadgroup, every test of a shared daemon carries its group in its nodeid (a worker's check)."""
+    config = session.config
+    if not (os.environ.get("PYTEST_XDIST_WORKER") and config.getoption("loadgroup", default=False)):
+        return
+    lost = [item.nodeid for item in session.items if item.path.name in SHARED and not item.nodeid.endswith(
+        f"@{SHARED[item.path.name]}")]
+    if lost:
+        line = (f"error: {len(lost)} tests lost their xdist group (e.g. {lost[0]}): they would run on both workers at "
+                "once (pytest-dev/pytest-xdist#1386: pytest 9.2 with xdist 3.8; pyproject.toml pins pytest below it)")
+        print(line, file=sys.stderr)  # a worker's own error would reach the terminal only as its crashed first test
+        raise pytest.UsageError(line)

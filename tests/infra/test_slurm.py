@@ -362,8 +362,8 @@ def test_status_of_pending_and_cancelled_jobs(cluster, tmp_path):
     waiting = job_id_of(submit_cli(cluster, tmp_path, *args, "train.run_id=my-run").stdout)
     _wait_for_steps(cluster, running, tmp_path / "runs" / f"slurm-{running}", 1)
     # A run id of one's own. Slurm sets a pending job's reason on a scheduling pass (None until then, and status
-    # prints no reason line; Priority while the first job was still pending), at the latest after the backfill
-    # interval (30 s) or sched_interval (60 s).
+    # prints no reason line; Priority while the first job was still pending): the test cluster passes every second
+    # (slurm/cluster/slurm.conf.in; Slurm's defaults would take up to the backfill interval, 30 s, or sched_interval, 60 s).
     deadline = time.monotonic() + 90
     while True:
         head, reason = status_cli(cluster, tmp_path, "my-run").stdout.splitlines()[:2]
