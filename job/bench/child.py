@@ -62,10 +62,15 @@ class RunSpec:
     program: str = "trainer"  # a key of PROGRAMS
 
 
+def _edges(records: list[dict], warmup: int, total: int) -> tuple[dict | None, dict | None]:
+    """The records logged at step `warmup` and step `total` (None where one is missing)."""
+    by_step = {r.get("step"): r for r in records}
+    return by_step.get(warmup), by_step.get(total)
+
+
 def timed_throughput(records: list[dict], *, warmup: int, total: int, batch: int) -> float | None:
     """Samples/s between the records logged at step `warmup` and step `total` (None if one is missing)."""
-    by_step = {r.get("step"): r for r in records}
-    a, b = by_step.get(warmup), by_step.get(total)
+    a, b = _edges(records, warmup, total)
     if a is None or b is None or total <= warmup:
         return None
     dt = float(b["time"]) - float(a["time"])
@@ -80,8 +85,7 @@ def input_throughput(records: list[dict], *, warmup: int, total: int, trained: f
     Below `trained`, the timed steps drew on batches the workers had read ahead before the window (during
     start-up they fill data.workers x 2 batches while the loop waits for its first step): a rate the run
     does not sustain."""
-    by_step = {r.get("step"): r for r in records}
-    a, b = by_step.get(warmup), by_step.get(total)
+    a, b = _edges(records, warmup, total)
     if a is None or b is None or a.get("data_made") is None or b.get("data_made") is None:
         return None
     taken = int(b["data_taken"]) - int(a["data_taken"])

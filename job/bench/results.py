@@ -188,7 +188,8 @@ def empty_run(name: str, kind: str, strategy: str, *, repeat: int = 1, data: str
             "batch_size": None, "world_size": None, "units": None, "timed_steps": None,
             "samples_per_s": None, "units_per_s": None, "step_s": None, "trainer_samples_per_s": None,
             "trained_samples_per_s": None, "input_samples_per_s": None, "imbalance": None, "scaling_vs_1": None,
-            "scaling_note": None, "peak_window": None, "window_note": None, "cards": [], "scrapes_ok": None, "scrapes_failed": None, "params": None}
+            "scaling_note": None, "peak_window": None, "window_note": None, "cards": [], "scrapes_ok": None,
+            "scrapes_failed": None, "params": None}
 
 
 def workload_result(workload: str, ref_cfg, *, cards: int, runs: list[dict], summary: list[dict] | None = None,
