@@ -338,7 +338,9 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
         stream = itertools.chain([first], Prefetcher(it, device, move))
     else:
         stream = itertools.chain([first], (move(b) for b in it))
-    return Stream(stream, made) if made is not None else stream
+    if made is None:
+        return stream
+    return Stream(stream, made, pids=[int(w.pid) for w in getattr(it, "_workers", []) if w.pid is not None])
 
 
 PREFETCH_FACTOR = 2  # batches each worker prepares ahead (DataLoader's default)
@@ -362,16 +364,18 @@ class CountingCollate:
 
 
 class Stream:
-    """The training stream of a loader with workers: its (x, y) batches, and how many samples the workers have
-    made against how many the loop has taken (`counts`).
+    """The training stream of a loader with workers: its (x, y) batches, how many samples the workers have
+    made against how many the loop has taken (`counts`), and the CPU time the workers have used
+    (`worker_cpu_s`: with the wall time between two readings, how many cores they kept busy).
 
     The workers read ahead (data.workers x PREFETCH_FACTOR batches, filled while the first step compiles
     or autotunes), so for a while a run can train faster than its input pipeline makes samples, drawing
     the read-ahead down. Over a window, samples made / samples taken below 1 says so, whatever the
     loop's own rate: the bench's real-data rows use it to report the rate a run sustains."""
 
-    def __init__(self, it, made: torch.Tensor):
+    def __init__(self, it, made: torch.Tensor, pids: list[int] | None = None):
         self.it, self.made, self.taken = it, made, 0
+        self.pids = list(pids or [])
 
     def __iter__(self):
         return self
@@ -384,6 +388,43 @@ class Stream:
     def counts(self) -> tuple[int, int]:
         """(samples the workers have collated, samples this stream has handed out) since it started."""
         return int(self.made.sum()), self.taken
+
+    @property
+    def workers(self) -> int:
+        return len(self.made)
+
+    def worker_cpu_s(self) -> float | None:
+        """CPU seconds (user + system) the workers have used since they started, from /proc; None where the
+        system has no /proc or a worker's entry cannot be read."""
+        total = 0.0
+        for pid in self.pids:
+            used = process_cpu_s(pid)
+            if used is None:
+                return None
+            total += used
+        return total if self.pids else None
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process `pid` has used, from /proc/<pid>/stat; None where it cannot be read."""
+    import os
+
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity: a Slurm or container limit), else the machine's."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _through_slots(collate, move):

@@ -27,7 +27,7 @@ from job import breakdown, config, failure, launch, memplan, phases, recompute, 
 from job import checkpoint as ckpt
 from job import workload as wl
 from job.config import summary
-from job.data import Data
+from job.data import Data, usable_cores
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
 from job.evaluate import Evaluator
 from job.models import human, param_count
@@ -257,6 +257,7 @@ class Trainer:
                 self.rundir.refused()
             raise
         self.batches = _batches(self)
+        self._workers_mark = _workers_cpu(self.batches)  # (time, their CPU seconds): the log line's cores figure
         self.evaluator = Evaluator(self.data, self.resolved, cfg.eval, strategy=self.strategy, device=self.device,
                                    micro_batch=self.micro_batch, channels_last=t.channels_last,
                                    precision=self.precision, steps=t.steps)
@@ -636,18 +637,28 @@ class Trainer:
             return
         unit = self.workload.unit
         k = self.workload.units(self.settings)
-        waited = f"  waited for data {wait:.0%}" if wait >= DATA_WAIT_SHOWN else ""
+        counts = getattr(self.batches, "counts", None)  # a stream with DataLoader workers (job.data.Stream)
+        made, taken = counts() if counts is not None else (None, None)
+        mark, self._workers_mark = self._workers_mark, _workers_cpu(self.batches)
+        busy = None
+        if mark is not None and self._workers_mark is not None and self._workers_mark[0] > mark[0]:
+            busy = (self._workers_mark[1] - mark[1]) / (self._workers_mark[0] - mark[0])
+        waited = ""
+        if wait >= DATA_WAIT_SHOWN:
+            waited = f"  waited for data {wait:.0%}"
+            if busy is not None:  # all of them: the host's cores are the limit; fewer: the workers wait on something
+                who, n = "its" if self.env.world_size == 1 else "rank 0's", self.batches.workers
+                waited += f", {who} {n} worker{'s' if n != 1 else ''} busy on {busy:.1f} of {usable_cores()} cores"
         log.info("step %d/%d  loss %.4f  %s %s/s%s", self.step, self.cfg.train.steps, loss, f"{rate * k:,.0f}", unit,
                  waited)
         if cards and rows:
             log.info("%s", report.card_line(self.step, rows))
         if val is not None:
             log.info("%s", self.evaluator.line(val))
-        counts = getattr(self.batches, "counts", None)  # a stream with DataLoader workers (job.data.Stream)
-        made, taken = counts() if counts is not None else (None, None)
         record = {"step": self.step, "loss": loss, "samples_per_s": rate, f"{unit}_per_s": rate * k,
-                  "data_wait": wait, "data_made": made, "data_taken": taken, "time": time.time(), "cards": rows,
-                  "memory_breakdown": kinds, **(val or {})}
+                  "data_wait": wait, "data_made": made, "data_taken": taken,
+                  "data_cpu_s": self._workers_mark[1] if self._workers_mark is not None else None,
+                  "time": time.time(), "cards": rows, "memory_breakdown": kinds, **(val or {})}
         self.rundir.append_line("metrics.jsonl", json.dumps(record))
 
     def save_checkpoint(self) -> None:
@@ -870,6 +881,13 @@ class _Clock:
             return None
         seconds = self.t1 - self.t0 - self.excluded
         return (self.end_step - self.start_step) * samples_per_step / seconds if seconds > 0 else None
+
+
+def _workers_cpu(batches) -> tuple[float, float] | None:
+    """(now, CPU seconds the stream's DataLoader workers have used) where it has workers and /proc says."""
+    read = getattr(batches, "worker_cpu_s", None)
+    used = read() if read is not None else None
+    return (time.perf_counter(), used) if used is not None else None
 
 
 def _batches(tr: Trainer):

@@ -92,6 +92,16 @@ def input_throughput(records: list[dict], *, warmup: int, total: int, trained: f
     return trained * (int(b["data_made"]) - int(a["data_made"])) / taken if taken > 0 else None
 
 
+def input_cores(records: list[dict], *, warmup: int, total: int) -> float | None:
+    """Cores rank 0's DataLoader workers kept busy over the same records' window: their CPU seconds
+    (`data_cpu_s`, from /proc) over the window's seconds. None where the run has no workers' CPU times."""
+    a, b = _edges(records, warmup, total)
+    if a is None or b is None or a.get("data_cpu_s") is None or b.get("data_cpu_s") is None:
+        return None
+    dt = float(b["time"]) - float(a["time"])
+    return (float(b["data_cpu_s"]) - float(a["data_cpu_s"])) / dt if dt > 0 else None
+
+
 class _Scraper(threading.Thread):
     """Scrapes a /metrics URL every `interval` seconds, as Prometheus would, while a run trains."""
 
@@ -285,6 +295,7 @@ class Runs:
             "samples_per_s": sps, "units_per_s": sps * k, "step_s": row["batch_size"] / sps,
             "trainer_samples_per_s": float(summary["samples_per_s"]),
             "trained_samples_per_s": trained, "input_samples_per_s": made,
+            "input_worker_cores": input_cores(records, warmup=warmup, total=total),
             "imbalance": summary.get("imbalance"), "cards": cards, "peak_window": window,
             "params": summary.get("params"),
         })

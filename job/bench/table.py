@@ -117,11 +117,15 @@ def _input_lines(w: dict, unit: str) -> list[str]:
             continue
         trained = statistics.median(r["trained_samples_per_s"] for r in ok) * k
         made = statistics.median(r["input_samples_per_s"] for r in ok) * k
+        busy = [r["input_worker_cores"] for r in ok if r.get("input_worker_cores") is not None]
+        cores = statistics.median(busy) if busy else None
+        on = (f" on {cores:.1f} cores ({made / cores:,.0f} {unit} a busy core)" if cores and cores >= 0.05 else "")
         lines.append(f"  {name}: the timed steps trained {trained:,.0f} {unit}, its workers made {made:,.0f} "
-                     f"{unit} in them" + (" (the row: the lower; the rest came from batches read ahead)"
-                                          if made < trained else ""))
+                     f"{unit} in them{on}" + (" (the row: the lower; the rest came from batches read ahead)"
+                                              if made < trained else ""))
     return (["real-data rows (medians): the rate sustained is the lower of what was trained and what the workers "
-             "made"] + lines) if lines else []
+             "made; its cores are the workers' CPU seconds over the window's"]
+            + lines) if lines else []
 
 
 def _kinds_table(rows: list[dict]) -> list[str]:

@@ -296,7 +296,11 @@ def test_imagefolder_rows_end_to_end(tmp_path):
     assert img["input_samples_per_s"] > 0 and syn["input_samples_per_s"] is None
     assert img["samples_per_s"] == min(img["trained_samples_per_s"], img["input_samples_per_s"])
     assert syn["samples_per_s"] == syn["trained_samples_per_s"]
-    assert re.search(r"\n  dp\+imagefolder: the timed steps trained [\d,]+ img/s, its workers made [\d,]+ img/s", p.stdout)
+    assert re.search(r"\n  dp\+imagefolder: the timed steps trained [\d,]+ img/s, its workers made [\d,]+ img/s in "
+                     r"them on [\d.]+ cores \([\d,]+ img/s a busy core\)", p.stdout), p.stdout
+    # The one worker's CPU seconds over the window's, from /proc (at nice 10 beside the loop on a busy 2-core
+    # machine it may get well under a core, never more than one); the synthetic row has no workers.
+    assert 0.02 < img["input_worker_cores"] <= 1.05 and syn["input_worker_cores"] is None
     for arg in ("data.kind=imagefolder", f"data.path={images}", "data.prefetch=true", "data.workers=1"):
         assert arg in img["command"], img["command"]
     assert "kind: imagefolder" in (Path(img["run_dir"]) / "config.yaml").read_text()
@@ -307,7 +311,10 @@ def test_imagefolder_rows_end_to_end(tmp_path):
         lines = (Path(run["run_dir"]) / "metrics.jsonl").read_text().splitlines()
         return [json.loads(x)["data_wait"] for x in lines if x.strip()][1:]  # after the first window (start-up)
     assert statistics.median(waits(img)) > 0.3 > 0.1 > statistics.median(waits(syn)), (waits(img), waits(syn))
-    assert re.search(r"^step \d+/\d+ .* img/s  waited for data \d+%$", Path(img["log"]).read_text(), re.M)
+    assert re.search(r"^step \d+/\d+ .* img/s  waited for data \d+%, its 1 worker busy on [\d.]+ of \d+ cores$",
+                     Path(img["log"]).read_text(), re.M)
+    cpu = [json.loads(x)["data_cpu_s"] for x in (Path(img["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+    assert cpu == sorted(cpu) and cpu[-1] > cpu[0] > 0, cpu  # the worker's CPU seconds so far, growing
     (c,) = [c for c in w["comparisons"] if c["a"] == "dp+imagefolder"]
     assert c["b"] == "dp" and c["verdict"] == "one run each: no claim"
     assert c["ratio"] == pytest.approx(img["units_per_s"] / syn["units_per_s"])

@@ -107,6 +107,18 @@ def test_input_throughput_is_what_the_workers_made_in_the_window():
     assert bench.input_throughput([{"step": 2, "time": 1.0}, recs[1]], warmup=2, total=10, trained=trained) is None
 
 
+def test_input_cores_are_the_workers_cpu_seconds_over_the_window():
+    """The workers used 30 CPU seconds in a 4-second window: 7.5 cores busy. Without their CPU times (synthetic
+    data, no /proc) there is no figure."""
+    recs = [{"step": 2, "time": 100.0, "data_cpu_s": 12.0}, {"step": 6, "time": 102.0, "data_cpu_s": 20.0},
+            {"step": 10, "time": 104.0, "data_cpu_s": 42.0}]
+    assert bench.input_cores(recs, warmup=2, total=10) == pytest.approx(30 / 4)
+    assert bench.input_cores(recs, warmup=6, total=10) == pytest.approx(22 / 2)
+    assert bench.input_cores([{**r, "data_cpu_s": None} for r in recs], warmup=2, total=10) is None
+    assert bench.input_cores([{"step": 2, "time": 100.0}, recs[2]], warmup=2, total=10) is None
+    assert bench.input_cores(recs, warmup=3, total=10) is None  # no record at step 3
+
+
 @pytest.mark.parametrize("log, line", [
     ("step 1\nerror: ddp: micro-batch 15 is not a multiple of 2 ranks\n", "ddp: micro-batch 15 is not a multiple of 2 ranks"),
     ("Traceback (most recent call last):\n  File x\ntorch.OutOfMemoryError: CUDA out of memory. Tried\n",
@@ -141,7 +153,7 @@ def _run(name, kind, strategy, cards, world, sps, *, repeat=1, status="ok", reas
          "env": {}, "run_dir": "/x", "log": "/x.log", "wall_s": 30.0, "batch_size": 16, "world_size": world,
          "units": len(cards), "timed_steps": 50, "samples_per_s": sps, "units_per_s": sps * 1024 if sps else None,
          "step_s": 16 / sps if sps else None, "trainer_samples_per_s": sps, "trained_samples_per_s": sps,
-         "input_samples_per_s": None, "imbalance": None, "scaling_vs_1": None,
+         "input_samples_per_s": None, "input_worker_cores": None, "imbalance": None, "scaling_vs_1": None,
          "scaling_note": None, "peak_window": list(window) if status == "ok" else None, "window_note": None,
          "cards": cards, "scrapes_ok": None, "scrapes_failed": None, "params": None}
     if len(cards) > 1:

@@ -164,3 +164,40 @@ def test_the_stream_counts_what_its_workers_made_against_what_the_loop_took():
     none = data._loader("t", _Items(), sampler[:2], workers=0, device=torch.device("cpu"), channels_last=False,
                         prefetch=False, persistent=True)
     assert not isinstance(val, data.Stream) and not isinstance(none, data.Stream)
+
+
+class _Busy(_Items):
+    """_Items, each sample costing 5 ms of CPU."""
+
+    def __getitem__(self, i):
+        import time
+
+        start = time.process_time()
+        while time.process_time() - start < 0.005:
+            pass
+        return super().__getitem__(i)
+
+
+def test_the_stream_says_how_much_cpu_its_workers_used():
+    """The stream reads its workers' CPU seconds from /proc: two workers that spend their time making samples
+    while the loop takes them add about one to two CPU seconds a second (the bench's and the log line's cores
+    figure), and a process's own reading grows with the work it does."""
+    import os
+    import time
+
+    sampler = [list(range(k * 6, (k + 1) * 6)) for k in range(400)]
+    stream = data._loader("t", _Busy(), sampler, workers=2, device=torch.device("cpu"), channels_last=False,
+                          prefetch=False, persistent=True)
+    assert stream.workers == 2 and len(stream.pids) == 2 and os.getpid() not in stream.pids
+    t0, c0 = time.perf_counter(), stream.worker_cpu_s()
+    for _ in range(60):  # 360 samples of 5 ms: the workers never rest
+        next(stream)
+    cores = (stream.worker_cpu_s() - c0) / (time.perf_counter() - t0)
+    assert 0.3 < cores < 2.5, cores  # 2 workers sharing 2 cores with the loop (and a parallel test); never over 2
+    mine = data.process_cpu_s(os.getpid())
+    start = time.process_time()
+    while time.process_time() - start < 0.3:
+        pass
+    assert data.process_cpu_s(os.getpid()) - mine >= 0.2
+    assert data.process_cpu_s(2 ** 22 + 12345) is None  # no such process
+    assert 1 <= data.usable_cores() <= (os.cpu_count() or 1)
