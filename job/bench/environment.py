@@ -80,6 +80,23 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def physical_cores(root: Path = Path("/sys/devices/system/cpu")) -> int | None:
+    """Physical cores under the CPUs this process may use (distinct package and core ids in sysfs): fewer than
+    the CPUs where they are hyper-threads, whose siblings share a core's time. None where sysfs does not say."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = list(range(os.cpu_count() or 0))
+    cores = set()
+    for cpu in cpus:
+        topology = root / f"cpu{cpu}" / "topology"
+        try:
+            cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
+        except OSError:
+            return None
+    return len(cores) or None
+
+
 def _nccl_version() -> str | None:
     import torch
 
@@ -121,7 +138,7 @@ def environment(results: list[dict]) -> dict[str, Any]:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(), "command": command,
         "python": platform.python_version(), "platform": platform.platform(), "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count() or 0, "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "cpu_count": os.cpu_count() or 0, "cpu_cores": physical_cores(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
         "cudnn": cudnn, "nccl": _nccl_version(), "torchvision": _torchvision_version(),
         "driver": driver, "cuda_driver": cuda_driver,
         "gpu_model": ", ".join(sorted({g["name"] for g in gpu_list})) or None, "gpus": gpu_list,
@@ -131,14 +148,15 @@ def environment(results: list[dict]) -> dict[str, Any]:
 
 
 def versions(env: dict) -> str:
-    """`torch 2.14.1, CUDA 12.8, cuDNN 91000, NCCL 2.21.5, driver 580.1; commit 0123456789ab`"""
+    """`torch 2.14.1, CUDA 12.8, cuDNN 91000, NCCL 2.21.5, driver 580.1; 32 CPUs on 16 cores; commit 0123456789ab`"""
     parts = [f"torch {env['torch']}"]
     for key, label in (("torch_cuda", "CUDA"), ("cudnn", "cuDNN"), ("nccl", "NCCL")):
         if env.get(key):
             parts.append(f"{label} {env[key]}")
     parts.append(f"driver {env['driver']}" if env.get("driver") else "no GPU driver")
+    host = f"; {env['cpu_count']} CPUs" + (f" on {env['cpu_cores']} cores" if env.get("cpu_cores") else "")
     commit = env["commit"][:12] if env.get("commit") else "unknown commit (no .git; set GIT_COMMIT)"
     if env.get("commit_dirty"):
         commit += " + uncommitted changes"
     code = f", code {env['code']}" if env.get("code") else ""
-    return ", ".join(parts) + f"; commit {commit}{code}"
+    return ", ".join(parts) + f"{host}; commit {commit}{code}"

@@ -13,7 +13,7 @@ from job.breakdown import KINDS
 
 SCHEMA_ID = "trainjob-bench/7"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
 # 5: comparisons[].paired; 6: runs' trained_samples_per_s and input_samples_per_s (samples_per_s: the lower);
-# 7: runs' input_worker_cores
+# 7: runs' input_worker_cores, the environment's cpu_cores (physical cores)
 # Runs whose numbers are compared across repeats (one table row each).
 COMPARED = ("baseline", "reference", "strategy", "imagefolder", "tokens")
 DATA = ("synthetic", "imagefolder", "tokens")
@@ -148,7 +148,7 @@ WORKLOAD_SCHEMA = _obj({
 })
 ENV_SCHEMA = _obj({
     "date": _STR, "hostname": _STR, "command": _STR, "python": _STR, "platform": _STR, "cpu": _STR,
-    "cpu_count": _INT, "torch": _STR, "torch_cuda": _nullable(_STR), "cudnn": _nullable(_INT),
+    "cpu_count": _INT, "cpu_cores": _nullable(_INT), "torch": _STR, "torch_cuda": _nullable(_STR), "cudnn": _nullable(_INT),
     "nccl": _nullable(_STR), "torchvision": _nullable(_STR),
     "driver": _nullable(_STR), "cuda_driver": _nullable(_STR), "gpu_model": _nullable(_STR),
     "gpus": _array(_obj({"name": _STR, "uuid": _STR, "pci_bus_id": _STR, "memory_total_bytes": _nullable(_INT)})),

@@ -164,7 +164,7 @@ def _run(name, kind, strategy, cards, world, sps, *, repeat=1, status="ok", reas
 
 def _env() -> dict:
     return {"date": "2026-11-30T00:00:00+00:00", "hostname": "h", "command": "python -m job bench", "python": "3.11",
-            "platform": "Linux", "cpu": "x", "cpu_count": 32, "torch": "2.14.1", "torch_cuda": "12.8", "cudnn": 91000,
+            "platform": "Linux", "cpu": "x", "cpu_count": 32, "cpu_cores": 16, "torch": "2.14.1", "torch_cuda": "12.8", "cudnn": 91000,
             "nccl": "2.27.3", "torchvision": "0.29.1", "driver": "570.1", "cuda_driver": "12.8",
             "gpu_model": "NVIDIA H200", "gpus": [{"name": "NVIDIA H200", "uuid": "GPU-1", "pci_bus_id": "00000000:18:00.0",
                                                    "memory_total_bytes": 150 * 1024**3}],
@@ -209,8 +209,8 @@ def test_gpu_shaped_results_table_and_chart(tmp_path):
     assert lines[0] == ("== bench lm: global batch 16, 2 GPU(s), 10 warm-up + 50 timed steps, 2 repeat(s) "
                         "(order rotated each repeat)")
     assert lines[1].startswith("per-card peaks over the timed steps 11-60")
-    assert lines[2] == ("torch 2.14.1, CUDA 12.8, cuDNN 91000, NCCL 2.27.3, driver 570.1; commit 000000000000, "
-                        "code 0123456789ab")
+    assert lines[2] == ("torch 2.14.1, CUDA 12.8, cuDNN 91000, NCCL 2.27.3, driver 570.1; 32 CPUs on 16 cores; "
+                        "commit 000000000000, code 0123456789ab")
     assert lines[3] == "tenant: another process (pid 1234) held 80 GB on cuda:0 during every run"
     dp = next(x for x in lines if x.startswith("dp "))
     # per card: median (min-max) of the 2 repeats in MB; equal values once; busiest/least; tok/s; scaling
@@ -449,3 +449,27 @@ def test_code_fingerprint_names_the_code_and_git_commit_names_a_copy(tmp_path, m
     assert code_fingerprint(tmp_path) != first
     monkeypatch.setenv("GIT_COMMIT", "a" * 40)
     assert environment._git_commit() == ("a" * 40, None)
+
+
+def test_physical_cores_count_hyper_threads_once(tmp_path):
+    """bench.json's cpu_cores: the physical cores under this process's CPUs, read from sysfs; two hyper-threads
+    of one core count once, so a host of 16 CPUs on 8 cores shows as such beside its real-data rows."""
+    import os
+
+    from job.bench.environment import physical_cores
+
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def tree(core_of) -> Path:
+        root = tmp_path / f"t{len(list(tmp_path.iterdir()))}"
+        for cpu in cpus:
+            (root / f"cpu{cpu}" / "topology").mkdir(parents=True)
+            (root / f"cpu{cpu}" / "topology" / "physical_package_id").write_text("0\n")
+            (root / f"cpu{cpu}" / "topology" / "core_id").write_text(f"{core_of(cpu)}\n")
+        return root
+
+    assert physical_cores(tree(lambda cpu: cpu)) == len(cpus)  # one thread a core
+    assert physical_cores(tree(lambda cpu: cpu // 2)) == len({cpu // 2 for cpu in cpus})  # two threads a core
+    assert physical_cores(tmp_path / "absent") is None
+    real = physical_cores()
+    assert real is None or 1 <= real <= len(cpus)
