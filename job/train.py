@@ -27,7 +27,7 @@ from job import breakdown, config, failure, launch, memplan, phases, recompute, 
 from job import checkpoint as ckpt
 from job import workload as wl
 from job.config import summary
-from job.data import Data, usable_cores
+from job.data import Data, process_cpu_s, usable_cores
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
 from job.evaluate import Evaluator
 from job.models import human, param_count
@@ -567,7 +567,9 @@ class Trainer:
             with phases.mark("data"):
                 waiting = time.perf_counter()
                 x, y = next(self.batches)
-                self._data_wait += time.perf_counter() - waiting
+                waited = time.perf_counter() - waiting
+                self._data_wait += waited
+                self.clock.add_wait(waited)
             with self.strategy.backward_sync(micro == t.accum_steps - 1):
                 with self.precision.autocast():
                     with phases.mark("forward+loss"):
@@ -639,7 +641,7 @@ class Trainer:
         k = self.workload.units(self.settings)
         counts = getattr(self.batches, "counts", None)  # a stream with DataLoader workers (job.data.Stream)
         made, taken = counts() if counts is not None else (None, None)
-        mark, self._workers_mark = self._workers_mark, _workers_cpu(self.batches)
+        mark, self._workers_mark = self._workers_mark, _workers_cpu(self.batches)  # (time, workers', own CPU s)
         busy = None
         if mark is not None and self._workers_mark is not None and self._workers_mark[0] > mark[0]:
             busy = (self._workers_mark[1] - mark[1]) / (self._workers_mark[0] - mark[0])
@@ -750,6 +752,7 @@ class Trainer:
         k = self.workload.units(self.settings)
         rate = throughput * k if throughput is not None else None  # units/s
         unit = self.workload.unit
+        wait, busy, own = self.clock.inputs()
         summary_doc = {
             "run_id": self.run_id, "steps": self.step, "strategy": self.cfg.strategy.name,
             "workload": self.cfg.workload.name, "world_size": self.env.world_size,
@@ -757,6 +760,7 @@ class Trainer:
             "imbalance": report.imbalance(rows), "params": param_count(self.model),
             "peak_window": [self.peaks_from, self.step],  # peaks: steps after peaks_from up to here
             "validation": self.evaluator.last,  # the last evaluation's val_loss, val_accuracy, val_samples
+            "data_wait": wait, "data_worker_cores": busy, "process_cores": own,  # rank 0's, over the timed steps
             "cards": rows, "memory_breakdown": kinds,
         }
         self.rundir.write_text("summary.json", json.dumps(summary_doc, indent=2) + "\n")
@@ -767,6 +771,9 @@ class Trainer:
         print(report.table(rows, throughput=untimed if rate is None else rate, unit=unit, title=title), flush=True)
         print(breakdown.table(kinds, title=f"memory by kind, GB (10^9 bytes), at the peak of steps "
                                            f"{self.peaks_from + 1}-{self.step} (docs/memory-breakdown.md)"), flush=True)
+        if wait is not None and wait >= DATA_WAIT_SHOWN:
+            log.info("%s", input_verdict(wait, busy, own, workers=getattr(self.batches, "workers", 0),
+                                         cores=usable_cores(), ranks=self.env.world_size))
 
     def close(self) -> None:
         if self.telemetry is not None:
@@ -830,7 +837,7 @@ class _Window:
         self.settle_step = self.warm_step if self.warm else first + 1  # compiling is done by then
         trainer._restart_peaks()
         if self.warm == 0:
-            trainer.clock.start(first)
+            trainer.clock.start(first, _workers_cpu(trainer.batches))
 
     def after_step(self, step: int) -> None:
         tr = self.tr
@@ -845,10 +852,10 @@ class _Window:
         if self.warm and step == self.warm_step and step < self.last:
             tr._sync()
             tr._restart_peaks()
-            tr.clock.start(step)
+            tr.clock.start(step, _workers_cpu(tr.batches))
         if step == self.last:
             tr._sync()
-            tr.clock.stop(step)
+            tr.clock.stop(step, _workers_cpu(tr.batches))
 
 
 class _Clock:
@@ -858,13 +865,33 @@ class _Clock:
     def __init__(self):
         self.start_step = self.end_step = None
         self.t0 = self.t1 = self.excluded = 0.0
+        self.waited = 0.0  # seconds the loop waited for batches in the timed steps
+        self.workers: list = [None, None]  # (time, the DataLoader workers' CPU seconds, this process's) at start, stop
 
-    def start(self, step: int) -> None:
+    def start(self, step: int, workers: tuple[float, float, float] | None = None) -> None:
         self.start_step, self.t0 = step, time.perf_counter()
+        self.workers[0] = workers
 
-    def stop(self, step: int) -> None:
+    def stop(self, step: int, workers: tuple[float, float, float] | None = None) -> None:
         if self.start_step is not None:
             self.end_step, self.t1 = step, time.perf_counter()
+            self.workers[1] = workers
+
+    def add_wait(self, seconds: float) -> None:
+        if self.start_step is not None and self.end_step is None:
+            self.waited += seconds
+
+    def inputs(self) -> tuple[float | None, float | None, float | None]:
+        """(the share of the timed steps' seconds the loop waited for data, the cores the workers kept busy
+        meanwhile, the cores this process did); None where nothing was timed, or there are no CPU times."""
+        if self.start_step is None or self.end_step is None:
+            return None, None, None
+        seconds = self.t1 - self.t0 - self.excluded
+        wait = self.waited / seconds if seconds > 0 else None
+        a, b = self.workers
+        if a is None or b is None or b[0] <= a[0]:
+            return wait, None, None
+        return wait, (b[1] - a[1]) / (b[0] - a[0]), (b[2] - a[2]) / (b[0] - a[0])
 
     @contextlib.contextmanager
     def paused(self):
@@ -883,11 +910,34 @@ class _Clock:
         return (self.end_step - self.start_step) * samples_per_step / seconds if seconds > 0 else None
 
 
-def _workers_cpu(batches) -> tuple[float, float] | None:
-    """(now, CPU seconds the stream's DataLoader workers have used) where it has workers and /proc says."""
+def input_verdict(wait: float, busy: float | None, own: float | None, *, workers: int, cores: int,
+                  ranks: int = 1) -> str:
+    """The run's last line when its loop waited for data: rank 0's `wait` (a share of the timed steps), the
+    cores its `workers` kept busy (`busy`) and its own process did (`own`), of the `cores` it may use (every
+    rank taken to load the host as rank 0 does): what held the input up, and what to change."""
+    line = f"input: the loop waited for data {wait:.0%} of the timed steps"
+    if not workers:
+        return line + "; it reads its own data (data.workers=0): set data.workers to read and decode in parallel"
+    if busy is None or own is None:
+        return line + f"; how busy its {workers} workers were is unknown here (no /proc)"
+    who = "its" if ranks == 1 else "rank 0's"
+    line += (f"; {who} {workers} worker{'s' if workers != 1 else ''} kept {busy:.1f} cores busy and the training "
+             f"process {own:.1f}, of {cores}")
+    if (busy + own) * ranks >= 0.85 * cores:
+        return line + (": the host's cores are the limit (more cores per card, smaller files, or data.decode=gpu "
+                       "with a data.gpu_share)")
+    if busy >= 0.85 * workers:
+        return line + ": every worker is busy and cores are left: raise data.workers"
+    return line + ": the workers are idle part of the time, waiting on the disk or on the training process"
+
+
+def _workers_cpu(batches) -> tuple[float, float, float] | None:
+    """(now, CPU seconds the stream's DataLoader workers have used, CPU seconds this process has used) where
+    it has workers and /proc says."""
     read = getattr(batches, "worker_cpu_s", None)
     used = read() if read is not None else None
-    return (time.perf_counter(), used) if used is not None else None
+    own = process_cpu_s(os.getpid()) if used is not None else None
+    return (time.perf_counter(), used, own) if own is not None else None
 
 
 def _batches(tr: Trainer):

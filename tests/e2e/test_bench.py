@@ -315,6 +315,13 @@ def test_imagefolder_rows_end_to_end(tmp_path):
                      Path(img["log"]).read_text(), re.M)
     cpu = [json.loads(x)["data_cpu_s"] for x in (Path(img["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert cpu == sorted(cpu) and cpu[-1] > cpu[0] > 0, cpu  # the worker's CPU seconds so far, growing
+    # The run ends by saying what held its input up, over the timed steps; summary.json has the figures.
+    assert re.search(r"^input: the loop waited for data \d+% of the timed steps; its 1 worker kept [\d.]+ cores busy "
+                     r"and the training process [\d.]+, of \d+: ", Path(img["log"]).read_text(), re.M)
+    done = {r["name"]: json.loads((Path(r["run_dir"]) / "summary.json").read_text()) for r in (img, syn)}
+    assert done["dp+imagefolder"]["data_wait"] > 0.3 and 0.02 < done["dp+imagefolder"]["data_worker_cores"] <= 1.05
+    assert done["dp"]["data_worker_cores"] is None and done["dp"]["data_wait"] < 0.1
+    assert "input: " not in Path(syn["log"]).read_text()
     (c,) = [c for c in w["comparisons"] if c["a"] == "dp+imagefolder"]
     assert c["b"] == "dp" and c["verdict"] == "one run each: no claim"
     assert c["ratio"] == pytest.approx(img["units_per_s"] / syn["units_per_s"])

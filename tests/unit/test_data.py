@@ -201,3 +201,26 @@ def test_the_stream_says_how_much_cpu_its_workers_used():
     assert data.process_cpu_s(os.getpid()) - mine >= 0.2
     assert data.process_cpu_s(2 ** 22 + 12345) is None  # no such process
     assert 1 <= data.usable_cores() <= (os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize("busy, own, workers, cores, ranks, says", [
+    (15.2, 0.9, 16, 16, 1, "the host's cores are the limit"),  # workers and the training process fill the host
+    (0.5, 1.2, 1, 2, 1, "the host's cores are the limit"),  # one worker, starved by the training process
+    (3.5, 0.8, 4, 8, 2, "the host's cores are the limit"),  # two ranks each loading the host like rank 0
+    (3.9, 1.0, 4, 16, 1, "every worker is busy and cores are left: raise data.workers"),
+    (4.0, 1.0, 16, 16, 1, "the workers are idle part of the time, waiting on the disk or on the training process"),
+    (None, None, 4, 16, 1, "how busy its 4 workers were is unknown here (no /proc)"),
+    (None, None, 0, 16, 1, "it reads its own data (data.workers=0): set data.workers"),
+])
+def test_a_run_that_waited_for_data_says_what_held_it_up(busy, own, workers, cores, ranks, says):
+    """The run's last line when its loop waited for data: the cores its workers and its own process kept busy,
+    and which of the three limits that points to, with the setting to change."""
+    from job.train import input_verdict
+
+    line = input_verdict(0.31, busy, own, workers=workers, cores=cores, ranks=ranks)
+    assert line.startswith("input: the loop waited for data 31% of the timed steps") and says in line, line
+    if busy is not None:
+        who = "its" if ranks == 1 else "rank 0's"
+        assert f"; {who} {workers} worker{'s' if workers != 1 else ''} kept {busy:.1f} cores busy and the training " \
+               f"process {own:.1f}, of {cores}:" in line, line
+    assert "\n" not in line

@@ -71,6 +71,7 @@ class _Trainer:
         from job.train import _Clock
 
         self.step, self.cfg, self.clock, self.calls = first, SimpleNamespace(train=SimpleNamespace(steps=steps)), _Clock(), []
+        self.batches = iter(())  # a stream without workers: the clock's marks have no CPU times
 
     def _restart_peaks(self):
         self.calls.append("peaks")
