@@ -257,7 +257,7 @@ class Trainer:
                 self.rundir.refused()
             raise
         self.batches = _batches(self)
-        self._workers_mark = _workers_cpu(self.batches)  # (time, their CPU seconds): the log line's cores figure
+        self._workers_mark = _workers_cpu(self.batches)  # the log line's cores figure: _workers_cpu's mark
         self.evaluator = Evaluator(self.data, self.resolved, cfg.eval, strategy=self.strategy, device=self.device,
                                    micro_batch=self.micro_batch, channels_last=t.channels_last,
                                    precision=self.precision, steps=t.steps)
@@ -641,10 +641,8 @@ class Trainer:
         k = self.workload.units(self.settings)
         counts = getattr(self.batches, "counts", None)  # a stream with DataLoader workers (job.data.Stream)
         made, taken = counts() if counts is not None else (None, None)
-        mark, self._workers_mark = self._workers_mark, _workers_cpu(self.batches)  # (time, workers', own CPU s)
-        busy = None
-        if mark is not None and self._workers_mark is not None and self._workers_mark[0] > mark[0]:
-            busy = (self._workers_mark[1] - mark[1]) / (self._workers_mark[0] - mark[0])
+        mark, self._workers_mark = self._workers_mark, _workers_cpu(self.batches)
+        busy = _cores(mark, self._workers_mark, 1)  # the workers' cores since the last line
         waited = ""
         if wait >= DATA_WAIT_SHOWN:
             waited = f"  waited for data {wait:.0%}"
@@ -889,9 +887,7 @@ class _Clock:
         seconds = self.t1 - self.t0 - self.excluded
         wait = self.waited / seconds if seconds > 0 else None
         a, b = self.workers
-        if a is None or b is None or b[0] <= a[0]:
-            return wait, None, None
-        return wait, (b[1] - a[1]) / (b[0] - a[0]), (b[2] - a[2]) / (b[0] - a[0])
+        return wait, _cores(a, b, 1), _cores(a, b, 2)
 
     @contextlib.contextmanager
     def paused(self):
@@ -929,6 +925,14 @@ def input_verdict(wait: float, busy: float | None, own: float | None, *, workers
     if busy >= 0.85 * workers:
         return line + ": every worker is busy and cores are left: raise data.workers"
     return line + ": the workers are idle part of the time, waiting on the disk or on the training process"
+
+
+def _cores(a: tuple | None, b: tuple | None, k: int) -> float | None:
+    """Cores busy between two _workers_cpu marks: the CPU seconds at index k (1: the workers', 2: this
+    process's) over the seconds between them; None without both marks."""
+    if a is None or b is None or b[0] <= a[0]:
+        return None
+    return (b[k] - a[k]) / (b[0] - a[0])
 
 
 def _workers_cpu(batches) -> tuple[float, float, float] | None:
