@@ -66,10 +66,11 @@ class Data:
             raise UsageError("data.decode=gpu decodes images on the training GPU, and this run trains on the CPU; "
                              "use data.decode=auto or data.decode=cpu")
         if self.cfg.decode == "auto":
-            # Measured on one H200 (docs/benchmarks.md): 15 workers decoding on the CPU keep eager ResNet-50 at
-            # 0.98x synthetic; any share on the GPU decoder costs about half the speed (0.51x with all of it,
-            # 0.52x of the workers' speed with 54 %, decoded on the prefetch thread), so with workers auto
-            # leaves the card to the model. Without workers the GPU decoder is the faster by far.
+            # Measured on one H200 (docs/benchmarks.md): 16 workers decoding on the CPU keep eager ResNet-50 at
+            # 1.00x synthetic and compiled at 0.99x on a host whose cores decode ~700 img/s each; any share on
+            # the GPU decoder was slower than the workers, eager and compiled, on every host measured (nvJPEG's
+            # per-image waits queue behind the model's kernels), so with workers auto leaves the card to the
+            # model. Without workers the GPU decoder is the faster by far.
             return "gpu" if cuda and not self.cfg.workers else "cpu"
         return self.cfg.decode
 
