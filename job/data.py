@@ -418,14 +418,19 @@ def process_cpu_s(pid: int) -> float | None:
         return None
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity: a Slurm or container limit), else the machine's."""
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity: a Slurm or container limit), else all the machine's."""
     import os
 
     try:
-        return len(os.sched_getaffinity(0))
+        return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return list(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    """How many CPUs this process may run on (usable_cpus)."""
+    return len(usable_cpus()) or 1
 
 
 def _through_slots(collate, move):

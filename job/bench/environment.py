@@ -83,12 +83,10 @@ def _cpu_model() -> str:
 def physical_cores(root: Path = Path("/sys/devices/system/cpu")) -> int | None:
     """Physical cores under the CPUs this process may use (distinct package and core ids in sysfs): fewer than
     the CPUs where they are hyper-threads, whose siblings share a core's time. None where sysfs does not say."""
-    try:
-        cpus = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cpus = list(range(os.cpu_count() or 0))
+    from job.data import usable_cpus
+
     cores = set()
-    for cpu in cpus:
+    for cpu in usable_cpus():
         topology = root / f"cpu{cpu}" / "topology"
         try:
             cores.add(((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip()))
