@@ -17,6 +17,7 @@ import os
 import re
 from pathlib import Path
 
+from job import gpucrops
 from job.errors import UsageError
 
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -431,7 +432,8 @@ class EncodedBatch:
         return self.n
 
     def decode(self, device, size: int):
-        """n x 3 x size x size uint8 on `device`: the JPEGs in one batched nvJPEG call, each cropped there."""
+        """n x 3 x size x size uint8 on `device`: the JPEGs in one batched nvJPEG call, their crops resized into
+        their rows in one kernel (job.gpucrops; image by image where Triton is missing)."""
         import torch
         from torchvision.io import ImageReadMode, decode_jpeg
 
@@ -455,14 +457,17 @@ class EncodedBatch:
             for i, (crop, _), image in zip(self.jpeg_rows.tolist(), self.jpegs, images):
                 out[i] = crop_resize(image, crop, size)
         elif images:
-            crops = crops_resized(images, [c for c, _ in self.jpegs], size)
-            out.index_copy_(0, self.jpeg_rows.to(device, non_blocking=True), crops)
+            crops = [c for c, _ in self.jpegs]
+            if not (out.device.type == "cuda" and gpucrops.crops_into(out, self.jpeg_rows.tolist(), images, crops,
+                                                                      size)):  # one launch, else image by image
+                out.index_copy_(0, self.jpeg_rows.to(device, non_blocking=True), crops_resized(images, crops, size))
         return out
 
 
 def crops_resized(images: list, crops: list, size: int):
     """len(images) x 3 x size x size uint8: crop_resize of each image, as torchvision computes it off the CPU
-    (the crop in float32, bilinear antialiased, rounded), in two kernels an image and three for the batch.
+    (the crop in float32, bilinear antialiased, rounded), in two kernels an image and three for the batch:
+    the GPU decoder's crops where Triton is missing (job.gpucrops does them in one launch), and its reference.
 
     torchvision's resized_crop on each image costs ~6 kernels and its dispatch's Python, run beside the
     thread that launches the model's kernels (with data.prefetch) or on it."""

@@ -920,8 +920,8 @@ def input_verdict(wait: float, busy: float | None, own: float | None, *, workers
     line += (f"; {who} {workers} worker{'s' if workers != 1 else ''} kept {busy:.1f} cores busy and the training "
              f"process {own:.1f}, of {cores}")
     if (busy + own) * ranks >= 0.85 * cores:
-        return line + (": the host's cores are the limit (more cores per card, smaller files, or data.decode=gpu "
-                       "with a data.gpu_share)")
+        return line + (": the host's cores are the limit (more cores per card, smaller files, or for JPEGs on a "
+                       "GPU data.decode=gpu data.gpu_share=0.5)")
     if busy >= 0.85 * workers:
         return line + ": every worker is busy and cores are left: raise data.workers"
     return line + ": the workers are idle part of the time, waiting on the disk or on the training process"

@@ -43,6 +43,29 @@ def test_gpu_decoded_samples_match_the_cpu_decoded_ones(tmp_path, augment, share
 
 
 @requires_gpus(1)
+def test_the_one_launch_crops_match_the_image_by_image_crops_on_a_card(tmp_path):
+    """job.gpucrops (the batch's crops in one kernel) against datasets.crops_resized (torch's antialiased
+    resize, image by image) on nvJPEG's own output: the same pixels up to float rounding."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    from job import gpucrops
+    from job.datasets import crops_resized, image_size_of
+
+    folder = image_folder(tmp_path / "imgs", 64, seed=3)
+    ds = ImageFolder(folder["path"], image_size=224, num_classes=10, augment=True, decode="gpu")
+    files, crops = [], []
+    for i in range(64):
+        raw = open(ds.samples[i][0], "rb").read()
+        files.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        crops.append(ds.crop_of(SampleIndex(i, 500 + i, 1), *image_size_of(raw, ds.samples[i][0])))
+    images = decode_jpeg(files, mode=ImageReadMode.RGB, device="cuda")
+    out = torch.zeros((65, 3, 224, 224), dtype=torch.uint8, device="cuda")
+    gpucrops.crops_into(out, list(range(1, 65)), images, crops, 224)
+    diff = (out[1:].int() - crops_resized(images, crops, 224).int()).abs()
+    assert int(diff.max()) <= 1 and float((diff == 0).float().mean()) > 0.999 and not out[0].any()
+
+
+@requires_gpus(1)
 def test_a_damaged_jpeg_on_the_gpu_is_one_line(tmp_path):
     root = make_folder(tmp_path / "imgs")
     bad = root / "c1" / "0.jpg"

@@ -160,6 +160,74 @@ def test_the_gpu_decoders_batched_crops_are_torchvisions_resized_crop_off_the_cp
         assert torch.equal(out[k], F.horizontal_flip(want) if flip else want), k
 
 
+ONE_LAUNCH_CHECK = """
+import json, random, torch
+from job.datasets import crops_resized
+torch.manual_seed(1)
+from job.gpucrops import crops_into
+rng, images, crops = random.Random(3), [], []
+for k in range(10):
+    H, W = rng.randint(6, 48), rng.randint(6, 48)
+    images.append(torch.randint(0, 256, (3, H, W), dtype=torch.uint8))
+    h, w = (min(H, 8), min(W, 8)) if k < 2 else (rng.randint(1, H), rng.randint(1, W))
+    crops.append((rng.randint(0, H - h), rng.randint(0, W - w), h, w, k % 3 == 0))
+out = torch.zeros((12, 3, 8, 8), dtype=torch.uint8)
+rows = [11, 0, 3, 4, 5, 6, 7, 8, 9, 10]
+crops_into(out, rows, images, crops, 8)
+diff = (out[rows].int() - crops_resized(images, crops, 8).int()).abs()
+print(json.dumps({"max": int(diff.max()), "exact": float((diff == 0).float().mean()),
+                  "untouched": not bool(out[[1, 2]].any())}))
+"""
+
+
+def test_the_one_launch_crops_are_the_image_by_image_crops():
+    """job.gpucrops' kernel (data.decode=gpu's crops on a card, one launch a batch), run by Triton's interpreter
+    on the CPU (in a process of its own: Triton reads TRITON_INTERPRET when it is imported): each crop, shrunk
+    up to 6x, enlarged or copied, flipped or not, lands in its own row with the pixels of crops_resized
+    (torch's antialiased resize); rows it is not given stay untouched."""
+    import json
+    import os
+
+    from job import gpucrops
+
+    if not gpucrops.available():
+        pytest.skip("Triton is not installed (it comes with torch's CUDA builds)")
+    p = subprocess.run([sys.executable, "-c", ONE_LAUNCH_CHECK], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    # torch's CPU kernel sums the same weights in another order: a level apart on a few pixels (0.4 % here)
+    assert got["max"] <= 1 and got["exact"] > 0.99 and got["untouched"], got
+
+
+def test_the_one_launch_crops_step_aside_once_where_their_kernel_cannot_be_built(monkeypatch, caplog):
+    """Where Triton cannot build the kernel (a runtime-only image without a C compiler), crops_into writes
+    nothing and returns False, so EncodedBatch.decode crops image by image; the reason is logged once, and
+    the kernel is not tried again for the rest of the run."""
+    from job import gpucrops
+
+    tries = []
+
+    class Unbuildable:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                tries.append(grid)
+                raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable")
+            return launch
+
+    monkeypatch.setattr(gpucrops, "available", lambda: True)
+    monkeypatch.setattr(gpucrops, "_kernel", lambda: Unbuildable())
+    monkeypatch.setattr(gpucrops, "_failed", [])
+    out = torch.zeros((2, 3, 8, 8), dtype=torch.uint8)
+    images = [torch.full((3, 10, 12), 200, dtype=torch.uint8)] * 2
+    with caplog.at_level("WARNING", logger="job"):
+        for _ in range(3):
+            assert gpucrops.crops_into(out, [0, 1], images, [(0, 0, 10, 12, False)] * 2, 8) is False
+    assert len(tries) == 1 and not out.any()
+    lines = [r.getMessage() for r in caplog.records if "one Triton kernel" in r.getMessage()]
+    assert len(lines) == 1 and "Failed to find C compiler" in lines[0] and "image by image" in lines[0]
+
+
 @pytest.mark.parametrize("share", [0.5, 1.0])
 def test_an_encoded_batch_puts_each_decoded_image_in_its_row(tmp_path, monkeypatch, share):
     """decode=gpu's batch as the card assembles it (the packed JPEG bytes split, decoded, cropped by
