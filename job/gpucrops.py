@@ -18,6 +18,7 @@ says so once in the log and returns False, and the caller crops image by image."
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 
@@ -104,6 +105,7 @@ def crops_into(out, rows: list[int], images: list, crops: list, size: int) -> bo
 
     if _failed or not available():
         return False
+    images = [im if im.is_contiguous() else im.contiguous() for im in images]  # the table's strides are C, H, W
     base = min(images, key=lambda t: t.data_ptr())
     origin = base.data_ptr()  # an image a row: where it lies from base, its size, its crop, flip, its row of out
     table = torch.tensor([[im.data_ptr() - origin, im.shape[1], im.shape[2], top, left, h, w, int(flip), r]
@@ -112,7 +114,8 @@ def crops_into(out, rows: list[int], images: list, crops: list, size: int) -> bo
         table = table.pin_memory().to(out.device, non_blocking=True)
     block = 1 << max(size - 1, 1).bit_length()
     try:
-        _kernel()[(size, len(images))](base, table, out, size, BLOCK=block)
+        with torch.cuda.device(out.device) if out.device.type == "cuda" else contextlib.nullcontext():
+            _kernel()[(size, len(images))](base, table, out, size, BLOCK=block)  # on out's card, whatever thread
     except Exception as e:  # noqa: BLE001 - building or launching it: any failure means the per-image path
         _failed.append(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
         logging.getLogger("job").warning(
