@@ -297,6 +297,12 @@ class BenchCfg:
     """imagefolder: JPEG files to generate (ImageNet-like: 500 x 333-375 px, about 115 kB, 10 classes)."""
     imagefolder_dir: str = ""
     """imagefolder: where the files are generated and reused (empty: <train.run_dir>/bench-images)."""
+    imagefolder_variants: list[str] = field(default_factory=list)
+    """imagefolder: more rows of each strategy on the same files, each with its own data settings (one string
+    of space-separated data.KEY=VALUE, KEY one of decode, gpu_share, workers, worker_nice, prefetch), e.g.
+    ["data.decode=gpu data.gpu_share=0.5", "data.decode=gpu"]: rows such as
+    `ddp+imagefolder[decode=gpu gpu_share=0.5]`, each compared with the synthetic row and the plain
+    imagefolder row, over the same steps and repeats: which way of decoding is fastest on this machine."""
     tokens: bool = False
     """compare: also run each strategy on a token file generated on disk (data.kind=tokens, memory-mapped,
     <train.run_dir>/bench-tokens), next to the synthetic rows; needs a token workload (lm)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import statistics
 from typing import Any
 
@@ -15,7 +16,7 @@ from job.bench.child import Runs, RunSpec
 from job.bench.imagefolder import image_folder, token_file
 from job.bench.process import free_port
 from job.bench.results import COMPARED, card_key, empty_run, workload_result
-from job.bench.settings import multi_process
+from job.bench.settings import multi_process, variant_args, variant_name
 from job.breakdown import KINDS
 
 log = logging.getLogger("job")
@@ -128,7 +129,8 @@ REAL_DATA = ("imagefolder", "tokens")  # the kinds of rows that read files (benc
 
 def comparisons(rows: list[dict], runs: list[dict]) -> list[dict]:
     """Every pair of strategy rows (throughput; busiest card's peak where cards were measured), each real-data
-    row against its strategy's synthetic row (throughput: where the input pipeline limits), and each one-card
+    row against its strategy's synthetic row (throughput: where the input pipeline limits), each imagefolder
+    variant against its strategy's plain imagefolder row (which data settings are faster), and each one-card
     row against the hand-written loop (throughput: what the trainer costs). Throughput comparisons also
     carry the ratio within each repeat (`runs`: every run of the rows)."""
     def throughput(a: dict, b: dict) -> dict:
@@ -148,6 +150,9 @@ def comparisons(rows: list[dict], runs: list[dict]) -> list[dict]:
             syn = next((s for s in strat if s["strategy"] == r["strategy"]), None)
             if syn is not None:
                 out.append(throughput(r, syn))
+            plain = next((p for p in rows if p["name"] == f"{r['strategy']}+{r['kind']}" and p["units_per_s"]), None)
+            if plain is not None and plain is not r:
+                out.append(throughput(r, plain))
     loop = next((r for r in rows if r["kind"] == "reference" and r["units_per_s"]), None)
     if loop is not None:
         for r in rows:
@@ -216,6 +221,11 @@ def bench_workload(bench: Runs, workload: str) -> dict[str, Any]:
         images = image_folder(bench.images_dir, bench.settings.imagefolder_images, seed=int(ref_cfg.train.seed))
         for s in bench.settings.strategies:
             plan.append((f"{s}+imagefolder", "imagefolder", s, _file_args(bench, s, "imagefolder", images["path"]), {}))
+        for v in bench.settings.imagefolder_variants:  # the same files, other data settings: rows of their own
+            data_args = variant_args(v)
+            for s in bench.settings.strategies:
+                plan.append((variant_name(s, data_args), "imagefolder", s,
+                             _file_args(bench, s, "imagefolder", images["path"], *data_args), {}))
     if bench.settings.tokens and "tokens" in definition.kinds():
         w = ref_cfg.workload
         # Enough windows that no timed step reads a window twice: the file is read as a real one would be.
@@ -233,7 +243,7 @@ def bench_workload(bench: Runs, workload: str) -> dict[str, Any]:
                 continue
             name, kind, strategy, extra, env = item
             runs.append(bench.run(RunSpec(workload, name, kind, strategy, extra=tuple(extra), env=env,
-                                          repeat=rep + 1, run_id=f"{workload}-{name}-r{rep + 1}",
+                                          repeat=rep + 1, run_id=f"{workload}-{_slug(name)}-r{rep + 1}",
                                           program="reference" if kind == "reference" else "trainer")))
         if bench.interrupted:  # this repeat's other runs are listed as not run; no further repeats
             break
@@ -247,9 +257,14 @@ def bench_workload(bench: Runs, workload: str) -> dict[str, Any]:
                            tokens=tokens)
 
 
+def _slug(name: str) -> str:
+    """A row's name as a run directory's: an imagefolder variant's brackets and spaces become underscores."""
+    return re.sub(r"[^A-Za-z0-9+._=-]+", "_", name).strip("_")
+
+
 def _file_args(bench: Runs, strategy: str, kind: str, path: str, *more: str) -> list[str]:
     extra = [f"data.kind={kind}", f"data.path={path}", "data.prefetch=true", *more]
-    if "data.workers" not in bench.overrides:
+    if "data.workers" not in bench.overrides and not any(m.startswith("data.workers=") for m in more):
         # Workers per training process: the cores of its share of the machine, one left for the
         # process itself (a single-process strategy feeds every card from one loader).
         procs = bench.cards if multi_process(strategy) else 1

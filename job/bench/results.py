@@ -11,9 +11,9 @@ from typing import Any
 
 from job.breakdown import KINDS
 
-SCHEMA_ID = "trainjob-bench/7"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
+SCHEMA_ID = "trainjob-bench/8"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
 # 5: comparisons[].paired; 6: runs' trained_samples_per_s and input_samples_per_s (samples_per_s: the lower);
-# 7: runs' input_worker_cores, the environment's cpu_cores (physical cores)
+# 7: runs' input_worker_cores, the environment's cpu_cores (physical cores); 8: settings.imagefolder_variants
 # Runs whose numbers are compared across repeats (one table row each).
 COMPARED = ("baseline", "reference", "strategy", "imagefolder", "tokens")
 DATA = ("synthetic", "imagefolder", "tokens")
@@ -166,7 +166,7 @@ RESULT_SCHEMA = {
         "settings": _obj({
             "steps": _INT, "warmup": _INT, "repeats": _INT, "strategies": _array(_STR),
             "workloads": _array(_STR), "baseline": _STR, "cpu_procs": _INT, "overrides": {"type": "object"},
-            "out": _STR, "imagefolder": _BOOL, "tokens": _BOOL, "reference": _BOOL,
+            "out": _STR, "imagefolder": _BOOL, "imagefolder_variants": _array(_STR), "tokens": _BOOL, "reference": _BOOL,
             "maxbatch": _obj({"key": _STR, "start": _INT, "steps": _INT, "trials": _INT, "minutes": _NUM, "precision": _NUM}),
         }),
         "tenant": _nullable(_obj({"gb": _NUM, "device": _STR, "pid": _INT})),

@@ -25,7 +25,7 @@ from job.bench.maxbatch import maxbatch_workload
 from job.bench.process import GROUP_VARS
 from job.bench.profiling import profile_workload
 from job.bench.results import SCHEMA_ID
-from job.bench.settings import check_settings, nest, user_overrides
+from job.bench.settings import check_settings, nest, user_overrides, variant_args
 from job.bench.table import table
 from job.bench.tenant import Tenant
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
@@ -59,6 +59,11 @@ class Bench:
                     kind in config_mod.workload_of(c).workload.kinds() for c in loaded.values()):
                 raise UsageError(f"bench.{key}=true needs a workload that reads data.kind={kind}, and "
                                  f"bench.workloads is {self.workloads}; {hint}")
+        for v in self.settings.imagefolder_variants:  # each value by the trainer's own rules, before any run
+            try:
+                config_mod.load([f"workload={self.workloads[0]}", *variant_args(v)])
+            except UsageError as e:
+                raise UsageError(f"bench.imagefolder_variants entry \"{v}\": {e}") from None
         if self.settings.mode == "maxbatch" and self.settings.maxbatch_key == "workload.layers":
             flat = [w for w, c in loaded.items() if "layers" not in c.workload]
             if flat:
@@ -137,7 +142,7 @@ class Bench:
             "settings": {"steps": b.steps, "warmup": b.warmup, "repeats": b.repeats, "strategies": list(b.strategies),
                          "workloads": self.workloads, "baseline": b.baseline, "cpu_procs": b.cpu_procs,
                          "overrides": nest(self.overrides), "out": str(self.out), "imagefolder": bool(b.imagefolder),
-                         "tokens": bool(b.tokens), "reference": bool(b.reference),
+                         "imagefolder_variants": [str(v) for v in b.imagefolder_variants], "tokens": bool(b.tokens), "reference": bool(b.reference),
                          "maxbatch": {"key": b.maxbatch_key, "start": b.maxbatch_start, "steps": b.maxbatch_steps,
                                       "trials": b.maxbatch_trials, "minutes": float(b.maxbatch_minutes),
                                       "precision": float(b.maxbatch_precision)}},

@@ -99,6 +99,28 @@ def multi_process(name: str) -> bool:
     return REGISTRY[registered_name(name)].multi_process
 
 
+VARIANT_KEYS = ("decode", "gpu_share", "workers", "worker_nice", "prefetch")  # data.* an imagefolder variant sets
+
+
+def variant_args(text: str) -> list[str]:
+    """One bench.imagefolder_variants entry -> its data.KEY=VALUE overrides; UsageError for anything else."""
+    tokens = str(text).split()
+    if not tokens:
+        raise UsageError('bench.imagefolder_variants has an empty entry; give data settings, e.g. '
+                         '"data.decode=gpu data.gpu_share=0.5"')
+    for t in tokens:
+        key, eq, value = t.partition("=")
+        if not (eq and value and key.startswith("data.") and key[5:] in VARIANT_KEYS):
+            raise UsageError(f"bench.imagefolder_variants: `{t}` is not a setting a variant may change; use "
+                             f"data.KEY=VALUE with KEY one of {', '.join(VARIANT_KEYS)} (space-separated)")
+    return tokens
+
+
+def variant_name(strategy: str, tokens: list[str]) -> str:
+    """The row of an imagefolder variant: ddp+imagefolder[decode=gpu gpu_share=0.5]."""
+    return f"{strategy}+imagefolder[{' '.join(t[len('data.'):] for t in tokens)}]"
+
+
 def check_settings(b) -> None:
     if b.warmup < 1:
         raise UsageError(f"bench.warmup={b.warmup} must be at least 1: the first steps include CUDA/cuDNN "
@@ -124,6 +146,11 @@ def check_settings(b) -> None:
     if b.imagefolder_images < IMAGE_CLASSES:
         raise UsageError(f"bench.imagefolder_images={b.imagefolder_images} must be at least {IMAGE_CLASSES} "
                          "(one per class)")
+    if b.imagefolder_variants and not b.imagefolder:
+        raise UsageError("bench.imagefolder_variants adds rows to bench.imagefolder's: set bench.imagefolder=true")
+    variants = [" ".join(variant_args(v)) for v in b.imagefolder_variants]
+    if len(set(variants)) < len(variants):
+        raise UsageError(f"bench.imagefolder_variants lists the same settings twice: {variants}")
     if not b.scrape_interval_s > 0:
         raise UsageError(f"bench.scrape_interval_s={b.scrape_interval_s} must be positive")
     if not b.strategies:

@@ -281,7 +281,8 @@ def test_imagefolder_rows_end_to_end(tmp_path):
     p = run_bench(out, "bench.warmup=1", "bench.steps=40", "bench.repeats=1", "bench.baseline=none",
                   "strategies=[dp]", "train.batch_size=8", "bench.imagefolder=true", "bench.imagefolder_images=20",
                   f"bench.imagefolder_dir={images}", "bench.telemetry_overhead=true", "bench.telemetry_strategy=dp",
-                  "bench.scrape_interval_s=0.05", "bench.reference=true")
+                  "bench.scrape_interval_s=0.05", "bench.reference=true",
+                  'bench.imagefolder_variants=["data.workers=2 data.worker_nice=0"]')
     assert p.returncode == 0, p.stdout + p.stderr
     doc = json.loads((out / "bench.json").read_text())
     validate(doc)
@@ -322,6 +323,14 @@ def test_imagefolder_rows_end_to_end(tmp_path):
     assert done["dp+imagefolder"]["data_wait"] > 0.3 and 0.02 < done["dp+imagefolder"]["data_worker_cores"] <= 1.05
     assert done["dp"]["data_worker_cores"] is None and done["dp"]["data_wait"] < 0.1
     assert "input: " not in Path(syn["log"]).read_text()
+    # The variant: the same files with its own data settings (its workers, not the default 1), a row of its
+    # own, compared with the synthetic row and with the plain imagefolder row.
+    var = runs["dp+imagefolder[workers=2 worker_nice=0]"]
+    assert (var["kind"], var["status"], var["data"]) == ("imagefolder", "ok", "imagefolder"), var
+    assert "data.workers=2" in var["command"] and "data.workers=1" not in var["command"], var["command"]
+    assert "data.worker_nice=0" in var["command"] and var["input_samples_per_s"] > 0
+    assert doc["settings"]["imagefolder_variants"] == ["data.workers=2 data.worker_nice=0"]
+    assert {c["b"] for c in w["comparisons"] if c["a"] == var["name"]} == {"dp", "dp+imagefolder"}
     (c,) = [c for c in w["comparisons"] if c["a"] == "dp+imagefolder"]
     assert c["b"] == "dp" and c["verdict"] == "one run each: no claim"
     assert c["ratio"] == pytest.approx(img["units_per_s"] / syn["units_per_s"])
@@ -329,6 +338,8 @@ def test_imagefolder_rows_end_to_end(tmp_path):
     table = p.stdout[p.stdout.index("== bench tiny"):]
     assert re.search(r"\ndp\+imagefolder +dp +imagefolder ", table), table
     assert f"  dp+imagefolder / dp: img/s {c['ratio']:.2f}x: one run each: no claim" in table
+    assert re.search(r"\ndp\+imagefolder\[workers=2 worker_nice=0\] +dp +imagefolder ", table), table
+    assert re.search(r"\n  dp\+imagefolder\[workers=2 worker_nice=0\] / dp\+imagefolder: img/s [\d.]+x: one run each", table)
     # dp on a CPU is one process: no scaling figure, and the JSON says why.
     assert syn["scaling_vs_1"] is None and syn["scaling_note"] == "no baseline"
     assert "imagefolder: 20 generated JPEG files" in table

@@ -46,6 +46,18 @@ from job.errors import UsageError
     (["bench.maxbatch_precision=1.5"], "bench.maxbatch_precision=1.5 must be in [0, 1)"),
     (["train.device=cpu", "bench.tenant_gb=2"], "bench.tenant_gb=2 holds memory on a CUDA card, and none is visible"),
     (["workload=lm", "bench.imagefolder=true"], "bench.imagefolder=true needs a workload that reads data.kind=imagefolder"),
+    (['bench.imagefolder_variants=["data.workers=1"]'], "bench.imagefolder_variants adds rows to bench.imagefolder's: "
+     "set bench.imagefolder=true"),
+    (["bench.imagefolder=true", 'bench.imagefolder_variants=["data.decode=gpu train.lr=1"]'],
+     "bench.imagefolder_variants: `train.lr=1` is not a setting a variant may change; use data.KEY=VALUE with KEY "
+     "one of decode, gpu_share, workers, worker_nice, prefetch"),
+    (["bench.imagefolder=true", 'bench.imagefolder_variants=["data.decode=fast"]'],
+     'bench.imagefolder_variants entry "data.decode=fast": `data.decode=fast` is not valid; choose one of: auto, cpu, gpu'),
+    (["bench.imagefolder=true", 'bench.imagefolder_variants=["data.gpu_share=2"]'],
+     'bench.imagefolder_variants entry "data.gpu_share=2"'),
+    (["bench.imagefolder=true", 'bench.imagefolder_variants=["data.workers=1", "data.workers=1"]'],
+     "bench.imagefolder_variants lists the same settings twice"),
+    (["bench.imagefolder=true", 'bench.imagefolder_variants=[" "]'], "bench.imagefolder_variants has an empty entry"),
     (["strategies=[balanced-graphs]", "train.device=cpu"], "no strategy in bench.strategies can run with these "
      "settings (balanced-graphs: strategy.cuda_graphs=true needs CUDA cards, and train.device=cpu"),
     (["bench.mode=maxbatch", "bench.maxbatch_key=train.lr"],
@@ -173,7 +185,8 @@ def _env() -> dict:
 
 def _settings(**kw) -> dict:
     return {"steps": 50, "warmup": 10, "repeats": 2, "strategies": ["dp", "ddp", "balanced"], "workloads": ["lm"],
-            "baseline": "ddp", "cpu_procs": 2, "overrides": {}, "out": "/x", "imagefolder": False, "tokens": False, "reference": False,
+            "baseline": "ddp", "cpu_procs": 2, "overrides": {}, "out": "/x", "imagefolder": False, "imagefolder_variants": [], "tokens": False,
+            "reference": False,
             "maxbatch": {"key": "train.batch_size", "start": 16, "steps": 3, "trials": 12, "minutes": 30.0,
                          "precision": 0.05}, **kw}
 
