@@ -769,7 +769,7 @@ class Trainer:
         print(report.table(rows, throughput=untimed if rate is None else rate, unit=unit, title=title), flush=True)
         print(breakdown.table(kinds, title=f"memory by kind, GB (10^9 bytes), at the peak of steps "
                                            f"{self.peaks_from + 1}-{self.step} (docs/memory-breakdown.md)"), flush=True)
-        if wait is not None and wait >= DATA_WAIT_SHOWN and self.cfg.data.kind != "synthetic":
+        if wait is not None and wait >= DATA_WAIT_SHOWN and not self.data.synthetic:
             # (synthetic samples are resident on the device: no reader to change, whatever the loop's own pace)
             log.info("%s", input_verdict(wait, busy, own, workers=getattr(self.batches, "workers", 0),
                                          cores=usable_cores(), ranks=self.env.world_size))
