@@ -165,9 +165,10 @@ class DataCfg:
     decode: str = "auto"
     """imagefolder: where JPEG files are decoded: cpu (the DataLoader workers, libjpeg-turbo), gpu (the
     training GPU, batched nvJPEG; the workers read the files, and decode the part data.gpu_share leaves
-    them) or auto (cpu with data.workers, gpu without workers on a CUDA device: the faster of the two in
-    each case, measured in docs/benchmarks.md). Either way a sample id gets the same crop; pixels differ by
-    the decoders' rounding."""
+    them) or auto (gpu without workers on a CUDA device; with workers, cpu to begin with, and where the
+    training loop waits for them, half then every JPEG moved to the GPU while the run trains, each share kept
+    only where it trained faster, one log line a step; docs/workloads.md). Either way a sample id gets the
+    same crop; pixels differ by the decoders' rounding."""
     gpu_share: float = 1.0
     """imagefolder with data.decode=gpu: the fraction of the JPEG samples decoded on the GPU (fixed by sample
     id, spread evenly over every batch); the workers decode the rest at the same time. 1: all on the GPU.

@@ -26,13 +26,14 @@ import itertools
 import logging
 import signal
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 
 import torch
 
 from job import workload as wl
-from job.datasets import BadImage, SampleIndex  # noqa: F401  (BadImage: the data layer's one-line error)
+from job.datasets import BadImage, GpuSplit, SampleIndex  # noqa: F401  (BadImage: the data layer's one-line error)
 from job.errors import UsageError
 from job.handover import SPARE_SLOTS, HostSlots, SlotBatch, SlotCollate
 
@@ -57,6 +58,7 @@ class Data:
         self.workload = resolved.workload
         self.device = device  # the training device: where data.decode=auto decodes images
         self._train: tuple | None = None
+        self._split = GpuSplit() if self.adaptive else None  # made before any worker starts: they share it
 
     @property
     def decode(self) -> str:
@@ -75,13 +77,21 @@ class Data:
         return self.cfg.decode
 
     @property
+    def adaptive(self) -> bool:
+        """data.decode=auto with workers on a GPU, from files: the workers decode, and the training stream may
+        move a share of the JPEGs to the GPU decoder where it measures that this trains faster (SplitTuner)."""
+        return (self.cfg.decode == "auto" and bool(self.cfg.workers) and not self.synthetic
+                and self.device is not None and self.device.type == "cuda")
+
+    @property
     def synthetic(self) -> bool:
         return self.cfg.kind == "synthetic"
 
     def _dataset(self, path: str, split: str):
         request = wl.DataRequest(kind=self.cfg.kind, path=path, split=split, seed=self.seed,
                                  token_dtype=self.cfg.token_dtype, decode=self.decode,
-                                 gpu_share=float(self.cfg.gpu_share))
+                                 gpu_share=float(self.cfg.gpu_share),
+                                 gpu_split=self._split if split == "train" else None)
         ds = wl.call(f"workload `{self.resolved.name}`: dataset(kind={self.cfg.kind}, split={split})",
                      self.workload.dataset, self.settings, request)
         if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
@@ -94,6 +104,8 @@ class Data:
         decoded = getattr(ds, "decode", None)
         if decoded == "gpu" and getattr(ds, "gpu_share", 1.0) < 1.0:
             decoded = f"gpu ({ds.gpu_share:.0%} of the JPEGs; the workers decode the rest)"
+        if decoded == "cpu" and self._split is not None and getattr(ds, "gpu_split", None) is self._split:
+            decoded = "cpu, a share moving to the gpu if the workers cannot keep up and it trains faster"
         log.info("data: %s %s: %s samples%s", self.cfg.kind, path, f"{n:,}",
                  f", decoded on the {decoded} (data.decode={self.cfg.decode})" if isinstance(decoded, str) else "")
         return ds
@@ -160,8 +172,12 @@ class Data:
         ds, indices = self.train_set()
         order = EpochOrder(indices, seed=self.seed)
         sampler = _BatchSampler(order, start=start, micro_batch=micro_batch, offset=offset, count=count)
+        tuner = None
+        if self._split is not None and getattr(ds, "gpu_split", None) is self._split:
+            tuner = SplitTuner(self._split, first_id=lambda g: start + g * micro_batch,
+                               lookahead=self.cfg.workers * PREFETCH_FACTOR + 4, device=device)
         return _loader(self.resolved.name, ds, sampler, workers=self.cfg.workers, device=device, channels_last=channels_last,
-                       prefetch=prefetch, persistent=True, nice=self.cfg.worker_nice)
+                       prefetch=prefetch, persistent=True, nice=self.cfg.worker_nice, tuner=tuner)
 
     # -- held-out batches ---------------------------------------------------------------------------
     def has_val(self, eval_every: int) -> bool:
@@ -304,7 +320,7 @@ def _hooks(name: str, ds, device: torch.device, channels_last: bool):
 
 
 def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device, channels_last: bool, prefetch: bool,
-            persistent: bool, nice: int = 0):
+            persistent: bool, nice: int = 0, tuner: SplitTuner | None = None):
     import functools
 
     from torch.utils.data import DataLoader
@@ -341,7 +357,8 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
         stream = itertools.chain([first], (move(b) for b in it))
     if made is None:
         return stream
-    return Stream(stream, made, pids=[int(w.pid) for w in getattr(it, "_workers", []) if w.pid is not None])
+    return Stream(stream, made, pids=[int(w.pid) for w in getattr(it, "_workers", []) if w.pid is not None],
+                  tuner=tuner)
 
 
 PREFETCH_FACTOR = 2  # batches each worker prepares ahead (DataLoader's default)
@@ -374,17 +391,36 @@ class Stream:
     the read-ahead down. Over a window, samples made / samples taken below 1 says so, whatever the
     loop's own rate: the bench's real-data rows use it to report the rate a run sustains."""
 
-    def __init__(self, it, made: torch.Tensor, pids: list[int] | None = None):
+    def __init__(self, it, made: torch.Tensor, pids: list[int] | None = None, tuner: SplitTuner | None = None):
         self.it, self.made, self.taken = it, made, 0
         self.pids = list(pids or [])
+        self.tuner = tuner
 
     def __iter__(self):
         return self
 
     def __next__(self):
+        if self.tuner is None or self.tuner.done:
+            x, y = next(self.it)
+            self.taken += len(x)
+            return x, y
+        t = time.perf_counter()
         x, y = next(self.it)
+        now = time.perf_counter()
         self.taken += len(x)
+        self.tuner.observe(now, now - t, *self.counts())
         return x, y
+
+    def exclude(self, seconds: float) -> None:
+        """The training process paused `seconds` (a checkpoint, an evaluation, a log line): left out of the
+        tuner's window, as the trainer's own clock leaves it out."""
+        if self.tuner is not None:
+            self.tuner.exclude(seconds)
+
+    @property
+    def gpu_share(self) -> float | None:
+        """data.decode=auto's share of the JPEGs on the GPU (SplitTuner); None where the stream has no tuner."""
+        return None if self.tuner is None else self.tuner.share
 
     def counts(self) -> tuple[int, int]:
         """(samples the workers have collated, samples this stream has handed out) since it started."""
@@ -404,6 +440,120 @@ class Stream:
                 return None
             total += used
         return total if self.pids else None
+
+
+class SplitTuner:
+    """data.decode=auto's choice of decoder for JPEGs on a GPU, made by measuring the training stream itself.
+
+    The workers decode every JPEG at first. Once the read-ahead the workers filled while the first steps
+    compiled is behind (`lookahead` + 10 batches), WINDOW batches are timed: the samples a second the loop
+    took, and those the workers made. Where the loop waited for data WAIT of the window or more, or took
+    more than the workers made (it was living on the read-ahead), the workers are the limit: half of the JPEGs
+    go to the GPU decoder, from the first sample id of the batch `lookahead` batches on (one the workers have
+    not started: their read-ahead is at most data.workers x PREFETCH_FACTOR batches), and WINDOW batches of
+    those are timed; then every JPEG, where half still waits. A share is kept only where it sustained GAIN
+    more samples a second than the share before it (the lower of what was trained and what the workers made);
+    otherwise the share before comes back and the choice ends. Each step is one log line. The samples are
+    the same crops either way (the pixels within the two decoders' rounding); a resumed run chooses again."""
+
+    SHARES = (0.0, 0.5, 1.0)
+    WINDOW = 40  # batches timed per share
+    WAIT = 0.05  # the loop waiting this share of a window or more: the input is the limit
+    GAIN = 1.05  # a share is kept where it sustained this much more than the share before
+    SETTLE = 5  # batches of a new share taken before its window starts
+    MIN_FREE = 1 << 30  # bytes free on the card to try its decoder (decoded images, nvJPEG's buffers)
+
+    WHAT = {0.0: "the workers decoding every JPEG", 0.5: "half of the JPEGs on the GPU", 1.0: "every JPEG on the GPU"}
+
+    def __init__(self, split: GpuSplit, *, first_id, lookahead: int, device: torch.device | None = None,
+                 say=None, free_bytes=None):
+        self.split, self.first_id, self.lookahead, self.device = split, first_id, int(lookahead), device
+        self.say = say or log.info
+        self.free_bytes = free_bytes or self._free_bytes
+        self.g = 0  # batches the stream has handed out
+        self.k = 0  # the share now: SHARES[k]
+        self.start_at = self.lookahead + 10
+        self.window: list | None = None  # [time, made, taken, seconds waited, batches] at its start
+        self.rates: list[float] = []  # sustained samples a second at SHARES[0..k]
+        self.done = False
+
+    @property
+    def share(self) -> float:
+        """The share of the JPEGs on the GPU now (the last change's, once the workers reach it)."""
+        return self.SHARES[self.k]
+
+    def _free_bytes(self) -> int | None:
+        if self.device is None or self.device.type != "cuda":
+            return None
+        return int(torch.cuda.mem_get_info(self.device)[0])
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` the loop spent on something else (Stream.exclude) out of the window."""
+        if self.window is not None:
+            self.window[0] += seconds
+
+    def observe(self, now: float, waited: float, made: int, taken: int) -> None:
+        """One batch handed out at `now`, after the loop waited `waited` s for it; `made` and `taken` are the
+        stream's counts (Stream.counts) after it."""
+        self.g += 1
+        if self.done or self.g < self.start_at:
+            return
+        if self.window is None:
+            self.window = [now, made, taken, 0.0, 0]
+            return
+        w = self.window
+        w[3] += waited
+        w[4] += 1
+        if w[4] < self.WINDOW:
+            return
+        seconds = now - w[0]
+        self.window = None
+        if seconds <= 0:
+            return
+        trained, input_rate = (taken - w[2]) / seconds, (made - w[1]) / seconds
+        wait = w[3] / seconds
+        self._decide(min(trained, input_rate), wait, wait >= self.WAIT or input_rate < 0.93 * trained)
+
+    def _decide(self, rate: float, wait: float, limited: bool) -> None:
+        self.rates.append(rate)
+        share = self.SHARES[self.k]
+        if self.k == 0:
+            if limited:
+                self._try(1, f"the loop waited for data {wait:.0%} of {self.WINDOW} steps ({rate:,.0f} samples/s "
+                             f"sustained with {self.WHAT[share]})")
+            else:
+                self.done = True
+            return
+        before = self.rates[self.k - 1]
+        versus = (f"{self.WHAT[share]} sustained {rate:,.0f} samples/s against {before:,.0f} with "
+                  f"{self.WHAT[self.SHARES[self.k - 1]]}")
+        if rate < before * self.GAIN:
+            first = self.first_id(self.g + self.lookahead)
+            self.split.set(first, self.SHARES[self.k - 1])
+            self.k -= 1
+            self.done = True
+            self.say(f"data.decode=auto: {versus}: back to {self.WHAT[self.SHARES[self.k]]} from sample {first:,}")
+        elif limited and self.k + 1 < len(self.SHARES):
+            self._try(self.k + 1, f"{versus}, and the loop still waited for data {wait:.0%}")
+        else:
+            self.done = True
+            self.say(f"data.decode=auto: {versus}: keeping it (data.decode=cpu, or data.decode=gpu "
+                     "data.gpu_share=F, decides for good)")
+
+    def _try(self, k: int, why: str) -> None:
+        free = self.free_bytes()
+        if free is not None and free < self.MIN_FREE:
+            self.done = True
+            self.say(f"data.decode=auto: {why}; the GPU decoder is not tried: {free / 2**20:,.0f} MB free on "
+                     f"{self.device}, below {self.MIN_FREE / 2**20:,.0f} MB")
+            return
+        first = self.first_id(self.g + self.lookahead)
+        if not self.split.set(first, self.SHARES[k]):
+            self.done = True
+            return
+        self.k = k
+        self.start_at = self.g + self.lookahead + self.SETTLE
+        self.say(f"data.decode=auto: {why}; trying {self.WHAT[self.SHARES[k]]} from sample {first:,}")
 
 
 def process_cpu_s(pid: int) -> float | None:

@@ -232,10 +232,11 @@ class ImageFolder:
     rest is decoded by the workers, so both decoders work at once. Both decoders give the same crop of the
     same image: the pixels differ only by the decoders' rounding (nvJPEG against libjpeg-turbo, a few
     levels of 255), and which decoder a sample id gets is fixed by the id, so a resumed run decodes it the
-    same way."""
+    same way. `gpu_split` (with decode="cpu": data.decode=auto on a GPU) makes that share a GpuSplit, a
+    schedule by sample id that the training process changes while the workers run (job.data.SplitTuner)."""
 
     def __init__(self, path: str | os.PathLike, *, image_size: int, num_classes: int, augment: bool = False,
-                 decode: str = "cpu", gpu_share: float = 1.0):
+                 decode: str = "cpu", gpu_share: float = 1.0, gpu_split: GpuSplit | None = None):
         from torchvision import datasets
 
         if decode not in DECODERS:
@@ -245,9 +246,10 @@ class ImageFolder:
         check_imagefolder(str(path), num_classes=num_classes)
         self.augment, self.size, self.decode = augment, int(image_size), decode
         self.gpu_share = float(gpu_share) if decode == "gpu" else 0.0
+        self.gpu_split = gpu_split if decode == "cpu" else None  # data.decode=auto's changing share (GpuSplit)
         self._norm: dict = {}
         self._rng = None  # crop_of's generator, made in the process that draws (a worker)
-        if decode == "cpu":  # decoded pixels: torch's own collate, which the workers' hand-over stacks into its slots
+        if decode == "cpu" and gpu_split is None:  # decoded pixels: torch's own collate, which the workers' hand-over stacks into its slots
             from torch.utils.data import default_collate
 
             self.collate = default_collate
@@ -288,17 +290,27 @@ class ImageFolder:
         except OSError as e:
             raise _bad(path, e.strerror or e) from None
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        if self.decode == "gpu" and raw[:3] == JPEG_MAGIC and on_gpu(index, self.gpu_share):
+        if raw[:3] == JPEG_MAGIC and self._on_gpu(index):
             h, w = image_size_of(raw, path)
             return Encoded(data, self.crop_of(index, h, w), path), label
         image = decode_pixels(data, path)
         return crop_resize(image, self.crop_of(index, image.shape[1], image.shape[2]), self.size), label
 
-    def collate(self, items):
-        """A decode="gpu" batch: (an EncodedBatch, labels). decode="cpu" replaces this with torch's
-        default_collate ((uint8 pixels, labels)) in __init__."""
-        import torch
+    def _on_gpu(self, index) -> bool:
+        """Whether this sample's JPEG is decoded on the GPU (given undecoded to `to_device`)."""
+        if self.gpu_split is not None:
+            return on_gpu(index, self.gpu_split.share_for(getattr(index, "sample_id", int(index))))
+        return self.decode == "gpu" and on_gpu(index, self.gpu_share)
 
+    def collate(self, items):
+        """A batch holding JPEGs for the GPU: (an EncodedBatch, labels); one without: (uint8 pixels, labels),
+        torch's default_collate, which the workers' hand-over stacks into its slots. decode="cpu" without a
+        GpuSplit replaces this with default_collate itself in __init__."""
+        import torch
+        from torch.utils.data import default_collate
+
+        if not any(isinstance(x, Encoded) for x, _ in items):
+            return default_collate(items)
         return EncodedBatch([x for x, _ in items]), torch.tensor([y for _, y in items])
 
     def to_device(self, batch, device):
@@ -316,6 +328,42 @@ class ImageFolder:
                                torch.tensor(STD).view(1, 3, 1, 1).mul(255).to(device))
         mean, std = self._norm[key]
         return (x.float() - mean) / std, y.to(device, non_blocking=True)
+
+
+class GpuSplit:
+    """The share of a run's JPEGs decoded on the GPU, changed while its DataLoader workers run
+    (data.decode=auto, job.data.SplitTuner): a schedule of (first sample id, share) rows in shared memory,
+    which the training process appends to and each worker reads for every sample. It starts with no JPEG on
+    the GPU. A change applies from a sample id the workers have not reached, so each sample id is decoded
+    one way, whichever worker makes it."""
+
+    ROWS = 8
+
+    def __init__(self):
+        import torch
+
+        self.table = torch.full((self.ROWS, 2), math.inf, dtype=torch.float64).share_memory_()
+        self.table[0, 0], self.table[0, 1] = 0.0, 0.0
+        self.rows = 1  # kept by the training process, which alone appends
+
+    def share_for(self, sample_id: int) -> float:
+        share = 0.0
+        for first, s in self.table.tolist():
+            if first > sample_id:  # later rows start later (and unused rows at infinity)
+                break
+            share = s
+        return share
+
+    def set(self, first: int, share: float) -> bool:
+        """From sample id `first` on, `share` of the JPEGs on the GPU; False when the schedule is full."""
+        if self.rows >= self.ROWS:
+            return False
+        if first < self.table[self.rows - 1, 0]:
+            raise ValueError(f"GpuSplit: sample {first} is before the last change's ({int(self.table[self.rows - 1, 0])})")
+        self.table[self.rows, 1] = float(share)  # the share first: a reader sees the row once its id is set
+        self.table[self.rows, 0] = float(first)
+        self.rows += 1
+        return True
 
 
 def on_gpu(index, share: float) -> bool:

@@ -27,7 +27,7 @@ from job import breakdown, config, failure, launch, memplan, phases, recompute, 
 from job import checkpoint as ckpt
 from job import workload as wl
 from job.config import summary
-from job.data import Data, process_cpu_s, usable_cores
+from job.data import Data, SplitTuner, process_cpu_s, usable_cores
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
 from job.evaluate import Evaluator
 from job.models import human, param_count
@@ -262,6 +262,7 @@ class Trainer:
                                    micro_batch=self.micro_batch, channels_last=t.channels_last,
                                    precision=self.precision, steps=t.steps)
         self.clock = _Clock()
+        self.clock.on_pause = getattr(self.batches, "exclude", None)
         self.peaks_from = 0  # the per-card peaks cover the steps after this one (set by the loop)
         report.card_rows(self.devices, rank=env.rank)  # NVML start-up and card mapping, before any timing
         self.memory = breakdown.Memory(self.strategy, self.optimizer, rank=env.rank)  # every rank: gathers pids
@@ -657,6 +658,7 @@ class Trainer:
             log.info("%s", self.evaluator.line(val))
         record = {"step": self.step, "loss": loss, "samples_per_s": rate, f"{unit}_per_s": rate * k,
                   "data_wait": wait, "data_made": made, "data_taken": taken,
+                  "data_gpu_share": getattr(self.batches, "gpu_share", None),
                   "data_cpu_s": self._workers_mark[1] if self._workers_mark is not None else None,
                   "time": time.time(), "cards": rows, "memory_breakdown": kinds, **(val or {})}
         self.rundir.append_line("metrics.jsonl", json.dumps(record))
@@ -759,6 +761,7 @@ class Trainer:
             "peak_window": [self.peaks_from, self.step],  # peaks: steps after peaks_from up to here
             "validation": self.evaluator.last,  # the last evaluation's val_loss, val_accuracy, val_samples
             "data_wait": wait, "data_worker_cores": busy, "process_cores": own,  # rank 0's, over the timed steps
+            "data_gpu_share": getattr(self.batches, "gpu_share", None),  # data.decode=auto's choice, at the end
             "cards": rows, "memory_breakdown": kinds,
         }
         self.rundir.write_text("summary.json", json.dumps(summary_doc, indent=2) + "\n")
@@ -772,7 +775,8 @@ class Trainer:
         if wait is not None and wait >= DATA_WAIT_SHOWN and not self.data.synthetic:
             # (synthetic samples are resident on the device: no reader to change, whatever the loop's own pace)
             log.info("%s", input_verdict(wait, busy, own, workers=getattr(self.batches, "workers", 0),
-                                         cores=usable_cores(), ranks=self.env.world_size))
+                                         cores=usable_cores(), ranks=self.env.world_size,
+                                         gpu_share=getattr(self.batches, "gpu_share", None)))
 
     def close(self) -> None:
         if self.telemetry is not None:
@@ -866,6 +870,7 @@ class _Clock:
         self.t0 = self.t1 = self.excluded = 0.0
         self.waited = 0.0  # seconds the loop waited for batches in the timed steps
         self.workers: list = [None, None]  # (time, the DataLoader workers' CPU seconds, this process's) at start, stop
+        self.on_pause = None  # told the seconds of each pause (Stream.exclude: data.decode=auto's windows leave them out)
 
     def start(self, step: int, workers: tuple[float, float, float] | None = None) -> None:
         self.start_step, self.t0 = step, time.perf_counter()
@@ -896,8 +901,11 @@ class _Clock:
         try:
             yield
         finally:
+            seconds = time.perf_counter() - t
             if self.start_step is not None and self.end_step is None:
-                self.excluded += time.perf_counter() - t
+                self.excluded += seconds
+            if self.on_pause is not None:
+                self.on_pause(seconds)
 
     def rate(self, samples_per_step: int) -> float | None:
         """Samples per second over the timed steps; None when no step was timed (all were warm-up)."""
@@ -908,10 +916,11 @@ class _Clock:
 
 
 def input_verdict(wait: float, busy: float | None, own: float | None, *, workers: int, cores: int,
-                  ranks: int = 1) -> str:
+                  ranks: int = 1, gpu_share: float | None = None) -> str:
     """The run's last line when its loop waited for data: rank 0's `wait` (a share of the timed steps), the
     cores its `workers` kept busy (`busy`) and its own process did (`own`), of the `cores` it may use (every
-    rank taken to load the host as rank 0 does): what held the input up, and what to change."""
+    rank taken to load the host as rank 0 does), and the share of the JPEGs data.decode=auto moved to the GPU
+    (`gpu_share`): what held the input up, and what to change."""
     line = f"input: the loop waited for data {wait:.0%} of the timed steps"
     if not workers:
         return line + "; it reads its own data (data.workers=0): set data.workers to read and decode in parallel"
@@ -920,6 +929,12 @@ def input_verdict(wait: float, busy: float | None, own: float | None, *, workers
     who = "its" if ranks == 1 else "rank 0's"
     line += (f"; {who} {workers} worker{'s' if workers != 1 else ''} kept {busy:.1f} cores busy and the training "
              f"process {own:.1f}, of {cores}")
+    if gpu_share:
+        line += f"; data.decode=auto put {SplitTuner.WHAT[gpu_share]}, where it trained faster"
+        if gpu_share >= 1:
+            return line + (": the GPU decoder, one batch at a time beside the model, is the limit (with more cores "
+                           "per card the workers keep more of the JPEGs)")
+        return line + ": the workers and the GPU decoder together are the limit (more cores per card, smaller files)"
     if (busy + own) * ranks >= 0.85 * cores:
         return line + (": the host's cores are the limit (more cores per card, smaller files, or for JPEGs on a "
                        "GPU data.decode=gpu data.gpu_share=0.5)")

@@ -77,6 +77,10 @@ class DataRequest:
     token_dtype: str = "uint16"  # data.token_dtype, for token files
     decode: str = "cpu"  # data.decode resolved: where image files are decoded, "cpu" (the workers) or "gpu"
     gpu_share: float = 1.0  # data.gpu_share: with decode "gpu", the fraction of JPEG samples decoded there
+    # data.decode=auto on a GPU with workers: a job.datasets.GpuSplit saying, by sample id, which share of the
+    # JPEGs to hand undecoded to to_device for the GPU (it starts at none; the run raises it when the workers
+    # cannot keep up, and keeps it only where it trains faster). None otherwise; a dataset may ignore it.
+    gpu_split: Any = None
 
 
 @dataclass(frozen=True)

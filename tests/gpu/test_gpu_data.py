@@ -92,10 +92,29 @@ def test_training_from_jpeg_files_decoded_on_the_gpu(tmp_path, strategy, decode,
     assert s["validation"]["val_samples"] == 20
     config = (tmp_path / "r" / "config.yaml").read_text()
     assert f"decode: {decode}" in config
-    where = ("cpu" if decode == "auto" else "gpu" if share == 1 else
+    where = ("cpu, a share moving to the gpu if the workers cannot keep up and it trains faster" if decode == "auto"
+             else "gpu" if share == 1 else
              f"gpu ({share:.0%} of the JPEGs; the workers decode the rest)")
     assert f"decoded on the {where} (data.decode={decode})" in p.stderr, p.stderr[-3000:]
     print(f"{strategy}: {s['img_per_s']:,.0f} img/s")
+
+
+@requires_gpus(1)
+def test_data_decode_auto_moves_jpegs_to_the_card_when_one_worker_cannot_keep_up(tmp_path):
+    """One worker cannot decode for ResNet-50 on an H200: data.decode=auto tries half, then every JPEG on the
+    card, keeps a share only where it trained faster, says each step in one line, and the run ends well."""
+    folder = image_folder(tmp_path / "imgs", 200, seed=3)
+    p = subprocess.run(job_cmd("train", "workload=resnet50", "strategy=ddp", "strategy.nprocs=1",
+                               "workload.num_classes=10", "workload.augment=true", "train.batch_size=32",
+                               "train.steps=200", "train.log_every=50", "train.amp=bf16", "train.channels_last=true",
+                               "data.kind=imagefolder", f"data.path={folder['path']}", "data.workers=1",
+                               f"train.run_dir={tmp_path}", "train.run_id=r"),
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-4000:]
+    lines = [ln.split("data.decode=auto: ", 1)[1] for ln in p.stderr.splitlines() if "data.decode=auto: " in ln]
+    print("\n".join(lines))
+    assert lines and lines[0].startswith("the loop waited for data") and "trying half of the JPEGs on the GPU" in lines[0]
+    assert "keeping it" in lines[-1] or "back to" in lines[-1]
 
 
 @requires_gpus(1)

@@ -205,6 +205,8 @@ def test_the_stream_says_how_much_cpu_its_workers_used():
 
 @pytest.mark.parametrize("busy, own, workers, cores, ranks, says", [
     (15.2, 0.9, 16, 16, 1, "the host's cores are the limit"),  # workers and the training process fill the host
+    # data.decode=auto moved JPEGs to the GPU (the last keeps a share: see below)
+    (3.7, 1.0, 7, 8, 1, "data.decode=auto put every JPEG on the GPU, where it trained faster: the GPU decoder"),
     (0.5, 1.2, 1, 2, 1, "the host's cores are the limit"),  # one worker, starved by the training process
     (3.5, 0.8, 4, 8, 2, "the host's cores are the limit"),  # two ranks each loading the host like rank 0
     (3.9, 1.0, 4, 16, 1, "every worker is busy and cores are left: raise data.workers"),
@@ -217,10 +219,22 @@ def test_a_run_that_waited_for_data_says_what_held_it_up(busy, own, workers, cor
     and which of the three limits that points to, with the setting to change."""
     from job.train import input_verdict
 
-    line = input_verdict(0.31, busy, own, workers=workers, cores=cores, ranks=ranks)
+    share = 1.0 if "every JPEG" in says else None
+    line = input_verdict(0.31, busy, own, workers=workers, cores=cores, ranks=ranks, gpu_share=share)
     assert line.startswith("input: the loop waited for data 31% of the timed steps") and says in line, line
     if busy is not None:
         who = "its" if ranks == 1 else "rank 0's"
         assert f"; {who} {workers} worker{'s' if workers != 1 else ''} kept {busy:.1f} cores busy and the training " \
-               f"process {own:.1f}, of {cores}:" in line, line
+               f"process {own:.1f}, of {cores}{';' if share else ':'}" in line, line
     assert "\n" not in line
+
+
+def test_a_run_whose_auto_decoder_split_the_jpegs_says_both_are_the_limit():
+    from job.train import input_verdict
+
+    line = input_verdict(0.2, 7.5, 1.2, workers=7, cores=8, gpu_share=0.5)
+    assert line.endswith("; data.decode=auto put half of the JPEGs on the GPU, where it trained faster: the workers "
+                         "and the GPU decoder together are the limit (more cores per card, smaller files)"), line
+    # The tuner stayed with the workers: the ordinary verdict, with its remedies
+    assert input_verdict(0.2, 7.5, 1.2, workers=7, cores=8, gpu_share=0.0) == input_verdict(0.2, 7.5, 1.2, workers=7,
+                                                                                             cores=8)

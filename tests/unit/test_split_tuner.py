@@ -1,0 +1,208 @@
+"""data.decode=auto on a GPU with workers: the share of JPEGs decoded on the GPU, chosen while the run trains
+(job.data.SplitTuner), and the shared schedule the workers follow (job.datasets.GpuSplit). The GPU's decoder
+runs here on the CPU (the same libjpeg-turbo), so the samples can be compared exactly."""
+from __future__ import annotations
+
+import pytest
+import torch
+from _images_helpers import CPU, make_folder
+
+from job import config, data
+from job.data import Data, EpochOrder, SplitTuner
+from job.datasets import EncodedBatch, GpuSplit, ImageFolder
+
+
+def test_a_gpu_split_is_a_schedule_by_sample_id_that_only_moves_forward():
+    split = GpuSplit()
+    assert [split.share_for(i) for i in (0, 10**9)] == [0.0, 0.0]
+    assert split.set(100, 0.5) and split.set(100, 1.0) and split.set(250, 0.5)
+    assert [split.share_for(i) for i in (0, 99, 100, 249, 250, 10**9)] == [0.0, 0.0, 1.0, 1.0, 0.5, 0.5]
+    with pytest.raises(ValueError, match="before the last change"):
+        split.set(200, 0.0)
+    while split.rows < GpuSplit.ROWS:
+        assert split.set(300, 0.0)
+    assert not split.set(400, 1.0) and split.share_for(10**9) == 0.0  # full: the last share stays
+
+
+def _record_moves(ds):
+    kinds = []
+    to_device = ds.to_device
+
+    def recording(batch, device):
+        kinds.append(isinstance(batch[0], EncodedBatch))
+        return to_device(batch, device)
+
+    ds.to_device = recording
+    return kinds
+
+
+def test_the_workers_follow_a_change_of_split_made_while_they_run_and_the_samples_stay_the_same(tmp_path):
+    """A change the training process makes after the workers started reaches them (shared memory): from its
+    sample id on, the JPEGs come undecoded for to_device; before it, decoded. Every batch is the one the
+    workers alone decode, exactly (the GPU path on the CPU)."""
+    root = make_folder(tmp_path / "imgs", per_class=10)
+    split = GpuSplit()
+    ds = ImageFolder(root, image_size=16, num_classes=2, augment=True, gpu_split=split)
+    kinds = _record_moves(ds)
+    ref = ImageFolder(root, image_size=16, num_classes=2, augment=True)
+    order = EpochOrder(list(range(len(ds))), seed=3)
+
+    def sampler():
+        return data._BatchSampler(order, start=8, micro_batch=4, offset=0, count=4)
+
+    stream = data._loader("t", ds, sampler(), workers=2, device=CPU, channels_last=False, prefetch=False,
+                          persistent=True)
+    plain = data._loader("t", ref, sampler(), workers=0, device=CPU, channels_last=False, prefetch=False,
+                         persistent=True)
+    batches = [next(stream) for _ in range(3)]
+    boundary = 3 + 2 * data.PREFETCH_FACTOR + 4  # a batch the workers have not started
+    split.set(8 + boundary * 4, 1.0)
+    batches += [next(stream) for _ in range(boundary + 5 - 3)]
+    pngs = {i for i, (path, _) in enumerate(ds.samples) if path.endswith(".png")}
+    for g, ((x, y), encoded) in enumerate(zip(batches, kinds)):
+        want_x, want_y = next(plain)
+        assert torch.equal(x, want_x) and torch.equal(y, want_y), g
+        ids = [int(i) for i in order(range(8 + 4 * g, 12 + 4 * g))]
+        assert encoded == (g >= boundary and not set(ids) <= pngs), g
+
+
+class _Fake:
+    """A training stream whose speed depends on the share of JPEGs its batches put on the GPU."""
+
+    def __init__(self, rates: dict, waits: dict, *, made_share: dict | None = None, free: int = 1 << 40):
+        self.rates, self.waits, self.made_share = rates, waits, made_share or {}
+        self.split, self.said = GpuSplit(), []
+        self.tuner = SplitTuner(self.split, first_id=lambda g: 1000 + 8 * g, lookahead=6, say=self.said.append,
+                                free_bytes=lambda: free)
+
+    def run(self, batches: int = 600):
+        t, made, taken = 0.0, 0, 0
+        for g in range(batches):
+            share = self.split.share_for(1000 + 8 * g)
+            dt = 8 / self.rates[share]
+            t += dt
+            taken += 8
+            made += round(8 * self.made_share.get(share, 1.0))
+            self.tuner.observe(t, self.waits[share] * dt, made, taken)
+        return self
+
+
+def test_a_run_whose_workers_keep_up_keeps_them():
+    fake = _Fake({0.0: 6000.0}, {0.0: 0.01}).run()
+    assert fake.tuner.done and fake.said == [] and fake.split.rows == 1
+
+
+def test_a_run_waiting_for_its_workers_moves_jpegs_to_the_gpu_while_each_step_trains_faster():
+    fake = _Fake({0.0: 2000.0, 0.5: 3600.0, 1.0: 5000.0}, {0.0: 0.4, 0.5: 0.2, 1.0: 0.1}).run()
+    assert fake.tuner.done and fake.split.share_for(10**9) == 1.0
+    assert len(fake.said) == 3
+    assert fake.said[0].startswith("data.decode=auto: the loop waited for data 40% of 40 steps (2,000 samples/s "
+                                   "sustained with the workers decoding every JPEG); trying half of the JPEGs on the GPU "
+                                   "from sample ")
+    assert "trying every JPEG on the GPU" in fake.said[1] and "still waited for data 20%" in fake.said[1]
+    assert fake.said[2].startswith("data.decode=auto: every JPEG on the GPU sustained 5,000 samples/s against 3,600 "
+                                   "with half of the JPEGs on the GPU: keeping it")
+    # Each change starts at a batch boundary `lookahead` batches past the batch it was decided at.
+    (first, _), (second, _) = fake.split.table[1].tolist(), fake.split.table[2].tolist()
+    assert (first - 1000) % 8 == 0 and (second - 1000) % 8 == 0 and second > first
+
+
+@pytest.mark.parametrize("rates, back_to", [({0.0: 2000.0, 0.5: 2050.0, 1.0: 9999.0}, 0.0),
+                                            ({0.0: 2000.0, 0.5: 3600.0, 1.0: 3500.0}, 0.5)])
+def test_a_share_that_does_not_train_faster_is_given_back(rates, back_to):
+    fake = _Fake(rates, {0.0: 0.4, 0.5: 0.2, 1.0: 0.2}).run()
+    assert fake.tuner.done and fake.split.share_for(10**9) == back_to
+    assert "back to" in fake.said[-1] and fake.said[-1].endswith(f"from sample {int(fake.split.table[fake.split.rows - 1, 0]):,}")
+
+
+def test_a_loop_living_on_the_read_ahead_counts_as_waiting():
+    """No wait yet, but the workers make 80 % of what the loop takes: the read-ahead is running out."""
+    fake = _Fake({0.0: 5000.0, 0.5: 5000.0}, {0.0: 0.0, 0.5: 0.0}, made_share={0.0: 0.8}).run()
+    assert "trying half of the JPEGs on the GPU" in fake.said[0]
+    assert fake.split.share_for(10**9) == 0.5 and "keeping it" in fake.said[-1]  # 5,000 against 4,000 sustained
+
+
+def test_the_gpu_decoder_is_not_tried_on_a_card_without_room():
+    fake = _Fake({0.0: 2000.0}, {0.0: 0.4}, free=300 << 20).run()
+    assert fake.tuner.done and fake.split.rows == 1 and len(fake.said) == 1
+    assert fake.said[0].endswith("the GPU decoder is not tried: 300 MB free on None, below 1,024 MB")
+
+
+def test_the_training_stream_drives_its_tuner_and_its_samples_do_not_depend_on_the_choice(tmp_path):
+    """A real stream (a worker, the GPU path on the CPU) with a tuner of short windows: every batch handed out
+    is observed, and whichever shares it tries the samples are the workers-only ones."""
+    root = make_folder(tmp_path / "imgs", per_class=10)
+
+    class Quick(SplitTuner):
+        WINDOW, SETTLE = 3, 1
+        WAIT = 0.0  # any wait counts: the tuner tries the GPU path
+
+    split = GpuSplit()
+    said = []
+    tuner = Quick(split, first_id=lambda g: 4 * g, lookahead=data.PREFETCH_FACTOR + 4, say=said.append)
+    ds = ImageFolder(root, image_size=16, num_classes=2, augment=True, gpu_split=split)
+    ref = ImageFolder(root, image_size=16, num_classes=2, augment=True)
+    order = EpochOrder(list(range(len(ds))), seed=1)
+    stream = data._loader("t", ds, data._BatchSampler(order, start=0, micro_batch=4, offset=0, count=4), workers=1,
+                          device=CPU, channels_last=False, prefetch=True, persistent=True, tuner=tuner)
+    plain = data._loader("t", ref, data._BatchSampler(order, start=0, micro_batch=4, offset=0, count=4), workers=0,
+                         device=CPU, channels_last=False, prefetch=False, persistent=True)
+    for g in range(60):
+        x, y = next(stream)
+        want_x, want_y = next(plain)
+        assert torch.equal(x, want_x) and torch.equal(y, want_y), g
+    # Every batch handed out was observed until the choice ended: the first window after the read-ahead
+    # (lookahead + 10 batches), then one a share, each `lookahead` + SETTLE batches after the change.
+    lookahead = data.PREFETCH_FACTOR + 4
+    assert tuner.done and tuner.g == lookahead + 10 + 3 + (len(said) - 1) * (lookahead + 1 + 3)
+    assert said[0].startswith("data.decode=auto: the loop waited for data")
+    assert split.rows == 1 + sum("trying" in line or "back to" in line for line in said)
+
+
+def test_data_decode_auto_tunes_only_on_a_gpu_with_workers_from_files(tmp_path):
+    root = make_folder(tmp_path / "imgs")
+
+    def adaptive(device: str, *keys: str) -> bool:
+        cfg = config.load(["workload=tiny", "train.device=cpu", "data.kind=imagefolder", f"data.path={root}", *keys])
+        return Data(config.workload_of(cfg), config.workload_settings(cfg), cfg.data, seed=0,
+                    device=torch.device(device)).adaptive
+
+    assert adaptive("cuda", "data.workers=4")
+    assert not adaptive("cuda", "data.workers=4", "data.decode=cpu") and not adaptive("cuda", "data.workers=0")
+    assert not adaptive("cpu", "data.workers=4") and not adaptive("cuda", "data.workers=4", "data.decode=gpu")
+
+
+def test_the_training_stream_of_an_auto_run_on_a_gpu_gets_a_tuner_of_its_own_split(tmp_path, monkeypatch):
+    """Data.batches builds the tuner (no GPU here: the loader is caught before it would touch the card): it follows
+    the dataset's split, looks past the workers' read-ahead, and its changes start at this stream's batches."""
+    root = make_folder(tmp_path / "imgs")
+    cfg = config.load(["workload=tiny", "train.device=cpu", "data.kind=imagefolder", f"data.path={root}",
+                       "data.workers=3"])
+    d = Data(config.workload_of(cfg), config.workload_settings(cfg), cfg.data, seed=0, device=torch.device("cuda", 0))
+    caught = {}
+    monkeypatch.setattr(data, "_loader", lambda *a, **k: caught.update(k))
+    d.batches(micro_batch=8, start=40, offset=2, count=3, device=torch.device("cuda", 0), channels_last=False,
+              prefetch=True)
+    tuner = caught["tuner"]
+    ds, _ = d.train_set()
+    assert isinstance(tuner, SplitTuner) and tuner.split is ds.gpu_split is d._split
+    assert tuner.lookahead == 3 * data.PREFETCH_FACTOR + 4 and tuner.first_id(5) == 80 and tuner.share == 0.0
+    cfg.data.decode = "cpu"  # chosen by the user: no tuner
+    Data(config.workload_of(cfg), config.workload_settings(cfg), cfg.data, seed=0,
+         device=torch.device("cuda", 0)).batches(micro_batch=8, start=0, offset=0, count=8,
+                                                 device=torch.device("cuda", 0), channels_last=False, prefetch=True)
+    assert caught["tuner"] is None
+
+
+def test_a_pause_of_the_training_process_is_left_out_of_the_window():
+    """A checkpoint written in a window would make that share look slower: the trainer's pauses are left out."""
+    said = []
+    tuner = SplitTuner(GpuSplit(), first_id=lambda g: g, lookahead=0, say=said.append, free_bytes=lambda: 1 << 40)
+    t = 0.0
+    for g in range(10 + SplitTuner.WINDOW + 1):
+        t += 0.01
+        if g == 20:
+            tuner.exclude(5.0)
+            t += 5.0
+        tuner.observe(t, 0.0, 8 * (g + 1), 8 * (g + 1))
+    assert tuner.rates == [pytest.approx(800.0)] and tuner.done and said == []
