@@ -296,6 +296,7 @@ class Runs:
             "trainer_samples_per_s": float(summary["samples_per_s"]),
             "trained_samples_per_s": trained, "input_samples_per_s": made,
             "input_worker_cores": input_cores(records, warmup=warmup, total=total),
+            "input_gpu_share": summary.get("data_gpu_share"),  # data.decode=auto's choice (rank 0's), at the end
             "imbalance": summary.get("imbalance"), "cards": cards, "peak_window": window,
             "params": summary.get("params"),
         })

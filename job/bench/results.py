@@ -11,9 +11,10 @@ from typing import Any
 
 from job.breakdown import KINDS
 
-SCHEMA_ID = "trainjob-bench/8"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
+SCHEMA_ID = "trainjob-bench/9"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
 # 5: comparisons[].paired; 6: runs' trained_samples_per_s and input_samples_per_s (samples_per_s: the lower);
-# 7: runs' input_worker_cores, the environment's cpu_cores (physical cores); 8: settings.imagefolder_variants
+# 7: runs' input_worker_cores, the environment's cpu_cores (physical cores); 8: settings.imagefolder_variants;
+# 9: runs' input_gpu_share (data.decode=auto's choice)
 # Runs whose numbers are compared across repeats (one table row each).
 COMPARED = ("baseline", "reference", "strategy", "imagefolder", "tokens")
 DATA = ("synthetic", "imagefolder", "tokens")
@@ -68,6 +69,7 @@ RUN_SCHEMA = _obj({
     "trained_samples_per_s": _nullable(_NUM),
     "input_samples_per_s": _nullable(_NUM),
     "input_worker_cores": _nullable(_NUM),
+    "input_gpu_share": _nullable(_NUM),
     "imbalance": _nullable(_NUM),
     "scaling_vs_1": _nullable(_NUM),
     "scaling_note": _nullable(_STR),
@@ -189,8 +191,8 @@ def empty_run(name: str, kind: str, strategy: str, *, repeat: int = 1, data: str
             "exit_code": None, "command": [], "env": {}, "run_dir": None, "log": None, "wall_s": None,
             "batch_size": None, "world_size": None, "units": None, "timed_steps": None,
             "samples_per_s": None, "units_per_s": None, "step_s": None, "trainer_samples_per_s": None,
-            "trained_samples_per_s": None, "input_samples_per_s": None, "input_worker_cores": None, "imbalance": None,
-            "scaling_vs_1": None, "scaling_note": None, "peak_window": None, "window_note": None, "cards": [], "scrapes_ok": None,
+            "trained_samples_per_s": None, "input_samples_per_s": None, "input_worker_cores": None, "input_gpu_share": None,
+            "imbalance": None, "scaling_vs_1": None, "scaling_note": None, "peak_window": None, "window_note": None, "cards": [], "scrapes_ok": None,
             "scrapes_failed": None, "params": None}
 
 

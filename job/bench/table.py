@@ -105,6 +105,19 @@ def table(doc: dict, w: dict) -> str:
     return "\n".join(lines)
 
 
+def _auto_choice(runs: list[dict]) -> str:
+    """Where data.decode=auto moved JPEGs to the GPU in a row's runs: what each ended with, counted."""
+    from job.data import SplitTuner
+
+    ended = [r.get("input_gpu_share") for r in runs if r.get("input_gpu_share") is not None]
+    if not any(ended):
+        return ""
+    counts = {s: ended.count(s) for s in sorted(set(ended))}
+    said = ", ".join(f"{SplitTuner.WHAT.get(s, f'{s:.0%} of the JPEGs on the GPU')} in {n} of {len(runs)}"
+                     for s, n in counts.items())
+    return f"; data.decode=auto ended with {said} (its trial windows are in the timed steps)"
+
+
 def _input_lines(w: dict, unit: str) -> list[str]:
     """Real-data rows: what the timed steps trained and what the workers made in them (medians); the row shows
     the lower, the rate the run sustains once the batches read ahead during start-up are used up."""
@@ -122,7 +135,7 @@ def _input_lines(w: dict, unit: str) -> list[str]:
         on = (f" on {cores:.1f} cores ({made / cores:,.0f} {unit} a busy core)" if cores and cores >= 0.05 else "")
         lines.append(f"  {name}: the timed steps trained {trained:,.0f} {unit}, its workers made {made:,.0f} "
                      f"{unit} in them{on}" + (" (the row: the lower; the rest came from batches read ahead)"
-                                              if made < trained else ""))
+                                              if made < trained else "") + _auto_choice(ok))
     return (["real-data rows (medians): the rate sustained is the lower of what was trained and what the workers "
              "made; its cores are the workers' CPU seconds over the window's"]
             + lines) if lines else []

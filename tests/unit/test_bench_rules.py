@@ -165,7 +165,8 @@ def _run(name, kind, strategy, cards, world, sps, *, repeat=1, status="ok", reas
          "env": {}, "run_dir": "/x", "log": "/x.log", "wall_s": 30.0, "batch_size": 16, "world_size": world,
          "units": len(cards), "timed_steps": 50, "samples_per_s": sps, "units_per_s": sps * 1024 if sps else None,
          "step_s": 16 / sps if sps else None, "trainer_samples_per_s": sps, "trained_samples_per_s": sps,
-         "input_samples_per_s": None, "input_worker_cores": None, "imbalance": None, "scaling_vs_1": None,
+         "input_samples_per_s": None, "input_worker_cores": None, "input_gpu_share": None, "imbalance": None,
+         "scaling_vs_1": None,
          "scaling_note": None, "peak_window": list(window) if status == "ok" else None, "window_note": None,
          "cards": cards, "scrapes_ok": None, "scrapes_failed": None, "params": None}
     if len(cards) > 1:
@@ -486,3 +487,20 @@ def test_physical_cores_count_hyper_threads_once(tmp_path):
     assert physical_cores(tmp_path / "absent") is None
     real = physical_cores()
     assert real is None or 1 <= real <= len(cpus)
+
+
+def test_a_real_data_row_says_what_data_decode_auto_ended_with():
+    """bench.json's input_gpu_share (the run's summary data_gpu_share): the real-data line counts each ending."""
+    from job.bench.table import _input_lines
+
+    def run(share, repeat):
+        r = _run("ddp+imagefolder", "imagefolder", "ddp", [], 1, 3000.0, repeat=repeat)
+        r.update(data="imagefolder", input_samples_per_s=3000.0, input_worker_cores=6.0, input_gpu_share=share)
+        return r
+
+    w = {"units_per_sample": 1, "runs": [run(1.0, 1), run(1.0, 2), run(0.5, 3)]}
+    (line,) = _input_lines(w, "img/s")[1:]
+    assert line.endswith("; data.decode=auto ended with half of the JPEGs on the GPU in 1 of 3, every JPEG on the "
+                         "GPU in 2 of 3 (its trial windows are in the timed steps)"), line
+    w = {"units_per_sample": 1, "runs": [run(0.0, 1), run(None, 2)]}  # stayed with the workers; no tuner
+    assert "data.decode=auto" not in _input_lines(w, "img/s")[1]
