@@ -206,3 +206,21 @@ def test_a_pause_of_the_training_process_is_left_out_of_the_window():
             t += 5.0
         tuner.observe(t, 0.0, 8 * (g + 1), 8 * (g + 1))
     assert tuner.rates == [pytest.approx(800.0)] and tuner.done and said == []
+
+
+def test_the_trainers_pauses_reach_the_training_stream():
+    """The trainer tells its stream how long each pause lasted (Trainer wires _Clock.on_pause to Stream.exclude),
+    before its own clock starts too."""
+    import time
+
+    from job.train import _Clock
+
+    seen = []
+    clock = _Clock()
+    clock.on_pause = seen.append
+    with clock.paused():
+        time.sleep(0.02)
+    clock.start(1)
+    with clock.paused():
+        pass
+    assert len(seen) == 2 and seen[0] >= 0.02 and clock.excluded == seen[1]
