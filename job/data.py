@@ -446,18 +446,20 @@ class SplitTuner:
     """data.decode=auto's choice of decoder for JPEGs on a GPU, made by measuring the training stream itself.
 
     The workers decode every JPEG at first. Once the read-ahead the workers filled while the first steps
-    compiled is behind (`lookahead` + 10 batches), WINDOW batches are timed: the samples a second the loop
-    took, and those the workers made. Where the loop waited for data WAIT of the window or more, or took
-    more than the workers made (it was living on the read-ahead), the workers are the limit: half of the JPEGs
-    go to the GPU decoder, from the first sample id of the batch `lookahead` batches on (one the workers have
-    not started: their read-ahead is at most data.workers x PREFETCH_FACTOR batches), and WINDOW batches of
-    those are timed; then every JPEG, where half still waits. A share is kept only where it sustained GAIN
+    compiled is behind (`lookahead` + 10 batches), a window of WINDOW batches and WINDOW_S seconds at least
+    (less the trainer's pauses: `exclude`) is timed: the samples a second the loop took, and those the
+    workers made. Where the loop waited for data WAIT of the window or more, or took more than the workers
+    made (it was living on the read-ahead), the workers are the limit: half of the JPEGs go to the GPU
+    decoder, from the first sample id of the batch `lookahead` batches on (one the workers have not started:
+    their read-ahead is at most data.workers x PREFETCH_FACTOR batches), and a window of those is timed;
+    then every JPEG, where half still waits. A share is kept only where it sustained GAIN
     more samples a second than the share before it (the lower of what was trained and what the workers made);
     otherwise the share before comes back and the choice ends. Each step is one log line. The samples are
     the same crops either way (the pixels within the two decoders' rounding); a resumed run chooses again."""
 
     SHARES = (0.0, 0.5, 1.0)
-    WINDOW = 40  # batches timed per share
+    WINDOW = 40  # batches a window times, at least
+    WINDOW_S = 2.0  # seconds a window lasts, at least (a model of very short steps: enough of them to time)
     WAIT = 0.05  # the loop waiting this share of a window or more: the input is the limit
     GAIN = 1.05  # a share is kept where it sustained this much more than the share before
     SETTLE = 5  # batches of a new share taken before its window starts
@@ -504,22 +506,20 @@ class SplitTuner:
         w = self.window
         w[3] += waited
         w[4] += 1
-        if w[4] < self.WINDOW:
-            return
         seconds = now - w[0]
-        self.window = None
-        if seconds <= 0:
+        if w[4] < self.WINDOW or seconds < self.WINDOW_S or seconds <= 0:
             return
+        self.window = None
         trained, input_rate = (taken - w[2]) / seconds, (made - w[1]) / seconds
         wait = w[3] / seconds
-        self._decide(min(trained, input_rate), wait, wait >= self.WAIT or input_rate < 0.93 * trained)
+        self._decide(min(trained, input_rate), wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4])
 
-    def _decide(self, rate: float, wait: float, limited: bool) -> None:
+    def _decide(self, rate: float, wait: float, limited: bool, w_steps: int) -> None:
         self.rates.append(rate)
         share = self.SHARES[self.k]
         if self.k == 0:
             if limited:
-                self._try(1, f"the loop waited for data {wait:.0%} of {self.WINDOW} steps ({rate:,.0f} samples/s "
+                self._try(1, f"the loop waited for data {wait:.0%} of {w_steps} steps ({rate:,.0f} samples/s "
                              f"sustained with {self.WHAT[share]})")
             else:
                 self.done = True

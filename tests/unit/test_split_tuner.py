@@ -72,17 +72,17 @@ class _Fake:
     def __init__(self, rates: dict, waits: dict, *, made_share: dict | None = None, free: int = 1 << 40):
         self.rates, self.waits, self.made_share = rates, waits, made_share or {}
         self.split, self.said = GpuSplit(), []
-        self.tuner = SplitTuner(self.split, first_id=lambda g: 1000 + 8 * g, lookahead=6, say=self.said.append,
+        self.tuner = SplitTuner(self.split, first_id=lambda g: 1000 + 256 * g, lookahead=6, say=self.said.append,
                                 free_bytes=lambda: free)
 
     def run(self, batches: int = 600):
         t, made, taken = 0.0, 0, 0
         for g in range(batches):
-            share = self.split.share_for(1000 + 8 * g)
-            dt = 8 / self.rates[share]
+            share = self.split.share_for(1000 + 256 * g)
+            dt = 256 / self.rates[share]
             t += dt
-            taken += 8
-            made += round(8 * self.made_share.get(share, 1.0))
+            taken += 256
+            made += round(256 * self.made_share.get(share, 1.0))
             self.tuner.observe(t, self.waits[share] * dt, made, taken)
         return self
 
@@ -104,7 +104,7 @@ def test_a_run_waiting_for_its_workers_moves_jpegs_to_the_gpu_while_each_step_tr
                                    "with half of the JPEGs on the GPU: keeping it")
     # Each change starts at a batch boundary `lookahead` batches past the batch it was decided at.
     (first, _), (second, _) = fake.split.table[1].tolist(), fake.split.table[2].tolist()
-    assert (first - 1000) % 8 == 0 and (second - 1000) % 8 == 0 and second > first
+    assert (first - 1000) % 256 == 0 and (second - 1000) % 256 == 0 and second > first
 
 
 @pytest.mark.parametrize("rates, back_to", [({0.0: 2000.0, 0.5: 2050.0, 1.0: 9999.0}, 0.0),
@@ -134,7 +134,7 @@ def test_the_training_stream_drives_its_tuner_and_its_samples_do_not_depend_on_t
     root = make_folder(tmp_path / "imgs", per_class=10)
 
     class Quick(SplitTuner):
-        WINDOW, SETTLE = 3, 1
+        WINDOW, WINDOW_S, SETTLE = 3, 0.0, 1
         WAIT = 0.0  # any wait counts: the tuner tries the GPU path
 
     split = GpuSplit()
@@ -200,12 +200,12 @@ def test_a_pause_of_the_training_process_is_left_out_of_the_window():
     tuner = SplitTuner(GpuSplit(), first_id=lambda g: g, lookahead=0, say=said.append, free_bytes=lambda: 1 << 40)
     t = 0.0
     for g in range(10 + SplitTuner.WINDOW + 1):
-        t += 0.01
+        t += 0.1
         if g == 20:
             tuner.exclude(5.0)
             t += 5.0
         tuner.observe(t, 0.0, 8 * (g + 1), 8 * (g + 1))
-    assert tuner.rates == [pytest.approx(800.0)] and tuner.done and said == []
+    assert tuner.rates == [pytest.approx(80.0)] and tuner.done and said == []
 
 
 def test_the_trainers_pauses_reach_the_training_stream():
@@ -224,3 +224,15 @@ def test_the_trainers_pauses_reach_the_training_stream():
     with clock.paused():
         pass
     assert len(seen) == 2 and seen[0] >= 0.02 and clock.excluded == seen[1]
+
+
+def test_a_window_of_very_short_steps_lasts_long_enough_to_time():
+    """40 steps of a tiny model take milliseconds: the window also waits for WINDOW_S seconds."""
+    tuner = SplitTuner(GpuSplit(), first_id=lambda g: g, lookahead=0, say=lambda line: None, free_bytes=lambda: 1 << 40)
+    t, g = 0.0, 0
+    while not tuner.done and g < 10_000:
+        g += 1
+        t += 0.001
+        tuner.observe(t, 0.0, 8 * g, 8 * g)
+    assert tuner.done and abs(g - (10 + round(SplitTuner.WINDOW_S / 0.001))) <= 1
+    assert tuner.rates == [pytest.approx(8000.0)]
