@@ -87,6 +87,11 @@ class Data:
     def synthetic(self) -> bool:
         return self.cfg.kind == "synthetic"
 
+    def _follows_split(self, ds) -> bool:
+        """Whether dataset `ds` takes this run's GpuSplit (job.datasets.ImageFolder does; a workload's own
+        dataset may ignore DataRequest.gpu_split): only then may the training stream move JPEGs."""
+        return self._split is not None and getattr(ds, "gpu_split", None) is self._split
+
     def _dataset(self, path: str, split: str):
         request = wl.DataRequest(kind=self.cfg.kind, path=path, split=split, seed=self.seed,
                                  token_dtype=self.cfg.token_dtype, decode=self.decode,
@@ -104,7 +109,7 @@ class Data:
         decoded = getattr(ds, "decode", None)
         if decoded == "gpu" and getattr(ds, "gpu_share", 1.0) < 1.0:
             decoded = f"gpu ({ds.gpu_share:.0%} of the JPEGs; the workers decode the rest)"
-        if decoded == "cpu" and self._split is not None and getattr(ds, "gpu_split", None) is self._split:
+        if decoded == "cpu" and self._follows_split(ds):
             decoded = "cpu, a share moving to the gpu if the workers cannot keep up and it trains faster"
         log.info("data: %s %s: %s samples%s", self.cfg.kind, path, f"{n:,}",
                  f", decoded on the {decoded} (data.decode={self.cfg.decode})" if isinstance(decoded, str) else "")
@@ -173,7 +178,7 @@ class Data:
         order = EpochOrder(indices, seed=self.seed)
         sampler = _BatchSampler(order, start=start, micro_batch=micro_batch, offset=offset, count=count)
         tuner = None
-        if self._split is not None and getattr(ds, "gpu_split", None) is self._split:
+        if self._follows_split(ds):
             tuner = SplitTuner(self._split, first_id=lambda g: start + g * micro_batch,
                                lookahead=self.cfg.workers * PREFETCH_FACTOR + 4, device=device)
         return _loader(self.resolved.name, ds, sampler, workers=self.cfg.workers, device=device, channels_last=channels_last,

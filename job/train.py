@@ -753,6 +753,7 @@ class Trainer:
         rate = throughput * k if throughput is not None else None  # units/s
         unit = self.workload.unit
         wait, busy, own = self.clock.inputs()
+        gpu_share = getattr(self.batches, "gpu_share", None)  # data.decode=auto's choice, at the end
         summary_doc = {
             "run_id": self.run_id, "steps": self.step, "strategy": self.cfg.strategy.name,
             "workload": self.cfg.workload.name, "world_size": self.env.world_size,
@@ -761,7 +762,7 @@ class Trainer:
             "peak_window": [self.peaks_from, self.step],  # peaks: steps after peaks_from up to here
             "validation": self.evaluator.last,  # the last evaluation's val_loss, val_accuracy, val_samples
             "data_wait": wait, "data_worker_cores": busy, "process_cores": own,  # rank 0's, over the timed steps
-            "data_gpu_share": getattr(self.batches, "gpu_share", None),  # data.decode=auto's choice, at the end
+            "data_gpu_share": gpu_share,
             "cards": rows, "memory_breakdown": kinds,
         }
         self.rundir.write_text("summary.json", json.dumps(summary_doc, indent=2) + "\n")
@@ -776,7 +777,7 @@ class Trainer:
             # (synthetic samples are resident on the device: no reader to change, whatever the loop's own pace)
             log.info("%s", input_verdict(wait, busy, own, workers=getattr(self.batches, "workers", 0),
                                          cores=usable_cores(), ranks=self.env.world_size,
-                                         gpu_share=getattr(self.batches, "gpu_share", None)))
+                                         gpu_share=gpu_share))
 
     def close(self) -> None:
         if self.telemetry is not None:
