@@ -453,24 +453,30 @@ class SplitTuner:
     The workers decode every JPEG at first. Once the read-ahead the workers filled while the first steps
     compiled is behind (`lookahead` + 10 batches), a window of WINDOW batches and WINDOW_S seconds at least
     (less the trainer's pauses: `exclude`) is timed: the samples a second the loop took, and those the
-    workers made. Where the loop waited for data WAIT of the window or more, or took more than the workers
-    made (it was living on the read-ahead), the workers are the limit: half of the JPEGs go to the GPU
-    decoder, from the first sample id of the batch `lookahead` batches on (one the workers have not started:
-    their read-ahead is at most data.workers x PREFETCH_FACTOR batches), and a window of those is timed;
-    then every JPEG, where half still waits. A share is kept only where it sustained GAIN
-    more samples a second than the share before it (the lower of what was trained and what the workers made);
-    otherwise the share before comes back and the choice ends. Each step is one log line. The samples are
-    the same crops either way (the pixels within the two decoders' rounding); a resumed run chooses again."""
+    workers made; the rate a share sustains is the lower of the two. Where the loop waited for data WAIT of
+    the window or more, or took more than the workers made (it was living on the read-ahead), the workers
+    are the limit, and three steps follow, each a change from the first sample id of the batch `lookahead`
+    batches on (one the workers have not started: their read-ahead is at most data.workers x
+    PREFETCH_FACTOR batches), then a timed window:
 
-    SHARES = (0.0, 0.5, 1.0)
+    1. Every JPEG goes to the GPU decoder. Where the loop no longer waits and it sustained GAIN more than the
+       workers, the choice ends there; where it is not faster, the workers come back.
+    2. Where it still waits, both decoders are at their limit, workers at W samples a second, the GPU at G:
+       the share G / (W + G) (to the nearest MIX_STEP) gives each its part of what they make together.
+    3. The mix is kept where it sustained GAIN more than the workers and at least as much as the fallback:
+       every JPEG on the GPU where that sustained GAIN more than the workers, else the workers, which come
+       back otherwise.
+
+    Each step is one log line. The samples are the same crops either way (the pixels within the two
+    decoders' rounding); a resumed run chooses again."""
+
     WINDOW = 40  # batches a window times, at least
     WINDOW_S = 2.0  # seconds a window lasts, at least (a model of very short steps: enough of them to time)
     WAIT = 0.05  # the loop waiting this share of a window or more: the input is the limit
-    GAIN = 1.05  # a share is kept where it sustained this much more than the share before
+    GAIN = 1.05  # JPEGs stay on the GPU only where that sustained this much more than the workers alone
+    MIX_STEP = 0.05  # the mix's share is a multiple of this, from MIX_STEP to 1 - MIX_STEP
     SETTLE = 5  # batches of a new share taken before its window starts
     MIN_FREE = 1 << 30  # bytes free on the card to try its decoder (decoded images, nvJPEG's buffers)
-
-    WHAT = {0.0: "the workers decoding every JPEG", 0.5: "half of the JPEGs on the GPU", 1.0: "every JPEG on the GPU"}
 
     def __init__(self, split: GpuSplit, *, first_id, lookahead: int, device: torch.device | None = None,
                  say=None, free_bytes=None):
@@ -478,16 +484,25 @@ class SplitTuner:
         self.say = say or log.info
         self.free_bytes = free_bytes or self._free_bytes
         self.g = 0  # batches the stream has handed out
-        self.k = 0  # the share now: SHARES[k]
+        self.now = 0.0  # the share of the JPEGs on the GPU now (the last change's, once the workers reach it)
         self.start_at = self.lookahead + 10
         self.window: list | None = None  # [time, made, taken, seconds waited, batches] at its start
-        self.rates: list[float] = []  # sustained samples a second at SHARES[0..k]
+        self.rates: dict[float, float] = {}  # samples a second each share tried sustained, in the order tried
         self.done = False
 
     @property
     def share(self) -> float:
         """The share of the JPEGs on the GPU now (the last change's, once the workers reach it)."""
-        return self.SHARES[self.k]
+        return self.now
+
+    @staticmethod
+    def what(share: float) -> str:
+        """A share of the JPEGs on the GPU, in words."""
+        if share <= 0:
+            return "the workers decoding every JPEG"
+        if share >= 1:
+            return "every JPEG on the GPU"
+        return "half of the JPEGs on the GPU" if share == 0.5 else f"{share:.0%} of the JPEGs on the GPU"
 
     def _free_bytes(self) -> int | None:
         if self.device is None or self.device.type != "cuda":
@@ -520,32 +535,42 @@ class SplitTuner:
         self._decide(min(trained, input_rate), wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4])
 
     def _decide(self, rate: float, wait: float, limited: bool, w_steps: int) -> None:
-        self.rates.append(rate)
-        share = self.SHARES[self.k]
-        if self.k == 0:
+        share = self.now
+        self.rates[share] = rate
+        sustained = f"{self.what(share)} sustained {rate:,.0f} samples/s"
+        if share == 0.0:  # the workers alone
             if limited:
-                self._try(1, f"the loop waited for data {wait:.0%} of {w_steps} steps ({rate:,.0f} samples/s "
-                             f"sustained with {self.WHAT[share]})")
+                self._try(1.0, f"the loop waited for data {wait:.0%} of {w_steps} steps ({sustained})")
             else:
                 self.done = True
             return
-        before = self.rates[self.k - 1]
-        versus = (f"{self.WHAT[share]} sustained {rate:,.0f} samples/s against {before:,.0f} with "
-                  f"{self.WHAT[self.SHARES[self.k - 1]]}")
-        if rate < before * self.GAIN:
-            first = self.first_id(self.g + self.lookahead)
-            self.split.set(first, self.SHARES[self.k - 1])
-            self.k -= 1
-            self.done = True
-            self.say(f"data.decode=auto: {versus}: back to {self.WHAT[self.SHARES[self.k]]} from sample {first:,}")
-        elif limited and self.k + 1 < len(self.SHARES):
-            self._try(self.k + 1, f"{versus}, and the loop still waited for data {wait:.0%}")
-        else:
-            self.done = True
-            self.say(f"data.decode=auto: {versus}: keeping it (data.decode=cpu, or data.decode=gpu "
-                     "data.gpu_share=F, decides for good)")
+        workers = self.rates[0.0]
+        gpu = self.rates.get(1.0, 0.0)
+        fallback = 1.0 if gpu >= workers * self.GAIN else 0.0  # the GPU decoder is kept for a 5 % gain only
+        if share == 1.0:
+            versus = f"{sustained} against {workers:,.0f} with {self.what(0.0)}"
+            if not limited or workers + rate < self.GAIN * max(workers, rate):
+                return self._end(fallback, f"{versus}: " + ("keeping it" if fallback else f"back to {self.what(0.0)}"))
+            mix = round(rate / (rate + workers) / self.MIX_STEP) * self.MIX_STEP
+            mix = round(min(max(mix, self.MIX_STEP), 1 - self.MIX_STEP), 6)
+            return self._try(mix, f"{versus}, and the loop still waited for data {wait:.0%}; together they make "
+                                  f"{workers + rate:,.0f}")
+        versus = f"{sustained} against {self.rates[fallback]:,.0f} with {self.what(fallback)}"
+        if rate >= self.rates[fallback] and rate >= workers * self.GAIN:
+            return self._end(share, f"{versus}: keeping it")
+        self._end(fallback, f"{versus}: back to {self.what(fallback)}")
 
-    def _try(self, k: int, why: str) -> None:
+    def _end(self, share: float, said: str) -> None:
+        """The choice made: `share`, from the next batch the workers have not started where it is not the one now."""
+        self.done = True
+        if share != self.now:
+            first = self.first_id(self.g + self.lookahead)
+            self.split.set(first, share)
+            self.now = share
+            said += f" from sample {first:,}"
+        self.say(f"data.decode=auto: {said} (data.decode=cpu, or data.decode=gpu data.gpu_share=F, decides for good)")
+
+    def _try(self, share: float, why: str) -> None:
         free = self.free_bytes()
         if free is not None and free < self.MIN_FREE:
             self.done = True
@@ -553,12 +578,12 @@ class SplitTuner:
                      f"{self.device}, below {self.MIN_FREE / 2**20:,.0f} MB")
             return
         first = self.first_id(self.g + self.lookahead)
-        if not self.split.set(first, self.SHARES[k]):
+        if not self.split.set(first, share):
             self.done = True
             return
-        self.k = k
+        self.now = share
         self.start_at = self.g + self.lookahead + self.SETTLE
-        self.say(f"data.decode=auto: {why}; trying {self.WHAT[self.SHARES[k]]} from sample {first:,}")
+        self.say(f"data.decode=auto: {why}; trying {self.what(share)} from sample {first:,}")
 
 
 def process_cpu_s(pid: int) -> float | None:

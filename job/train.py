@@ -931,7 +931,7 @@ def input_verdict(wait: float, busy: float | None, own: float | None, *, workers
     line += (f"; {who} {workers} worker{'s' if workers != 1 else ''} kept {busy:.1f} cores busy and the training "
              f"process {own:.1f}, of {cores}")
     if gpu_share:
-        line += f"; data.decode=auto put {SplitTuner.WHAT[gpu_share]}, where it trained faster"
+        line += f"; data.decode=auto put {SplitTuner.what(gpu_share)}, where it trained faster"
         if gpu_share >= 1:
             return line + (": the GPU decoder, one batch at a time beside the model, is the limit (with more cores "
                            "per card the workers keep more of the JPEGs)")

@@ -113,7 +113,7 @@ def _auto_choice(runs: list[dict]) -> str:
     if not any(ended):
         return ""
     counts = {s: ended.count(s) for s in sorted(set(ended))}
-    said = ", ".join(f"{SplitTuner.WHAT.get(s, f'{s:.0%} of the JPEGs on the GPU')} in {n} of {len(runs)}"
+    said = ", ".join(f"{SplitTuner.what(s)} in {n} of {len(runs)}"
                      for s, n in counts.items())
     return f"; data.decode=auto ended with {said} (its trial windows are in the timed steps)"
 

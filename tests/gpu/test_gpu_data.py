@@ -101,8 +101,9 @@ def test_training_from_jpeg_files_decoded_on_the_gpu(tmp_path, strategy, decode,
 
 @requires_gpus(1)
 def test_data_decode_auto_moves_jpegs_to_the_card_when_one_worker_cannot_keep_up(tmp_path):
-    """One worker cannot decode for ResNet-50 on an H200: data.decode=auto tries half, then every JPEG on the
-    card, keeps a share only where it trained faster, says each step in one line, and the run ends well."""
+    """One worker cannot decode for ResNet-50 on an H200: data.decode=auto tries every JPEG on the card (and a mix
+    of the two decoders where that still waits), keeps a share only where it trained faster, says each step in
+    one line, and the run ends well with the share it kept in summary.json."""
     folder = image_folder(tmp_path / "imgs", 200, seed=3)
     p = subprocess.run(job_cmd("train", "workload=resnet50", "strategy=ddp", "strategy.nprocs=1",
                                "workload.num_classes=10", "workload.augment=true", "train.batch_size=32",
@@ -113,8 +114,12 @@ def test_data_decode_auto_moves_jpegs_to_the_card_when_one_worker_cannot_keep_up
     assert p.returncode == 0, p.stderr[-4000:]
     lines = [ln.split("data.decode=auto: ", 1)[1] for ln in p.stderr.splitlines() if "data.decode=auto: " in ln]
     print("\n".join(lines))
-    assert lines and lines[0].startswith("the loop waited for data") and "trying half of the JPEGs on the GPU" in lines[0]
+    assert lines and lines[0].startswith("the loop waited for data") and "trying every JPEG on the GPU" in lines[0]
     assert "keeping it" in lines[-1] or "back to" in lines[-1]
+    s = json.loads((tmp_path / "r" / "summary.json").read_text())
+    kept = s["data_gpu_share"]
+    assert kept is not None and 0 <= kept <= 1
+    assert (kept == 0) == ("back to the workers" in lines[-1]), (kept, lines[-1])
 
 
 @requires_gpus(1)

@@ -502,5 +502,9 @@ def test_a_real_data_row_says_what_data_decode_auto_ended_with():
     (line,) = _input_lines(w, "img/s")[1:]
     assert line.endswith("; data.decode=auto ended with half of the JPEGs on the GPU in 1 of 3, every JPEG on the "
                          "GPU in 2 of 3 (its trial windows are in the timed steps)"), line
+    w = {"units_per_sample": 1, "runs": [run(0.7, 1), run(0.65, 2), run(0.7, 3)]}  # the tuner's mix of decoders
+    assert _input_lines(w, "img/s")[1].endswith("; data.decode=auto ended with 65% of the JPEGs on the GPU in 1 of 3, "
+                                                "70% of the JPEGs on the GPU in 2 of 3 (its trial windows are in the "
+                                                "timed steps)")
     w = {"units_per_sample": 1, "runs": [run(0.0, 1), run(None, 2)]}  # stayed with the workers; no tuner
     assert "data.decode=auto" not in _input_lines(w, "img/s")[1]

@@ -235,6 +235,9 @@ def test_a_run_whose_auto_decoder_split_the_jpegs_says_both_are_the_limit():
     line = input_verdict(0.2, 7.5, 1.2, workers=7, cores=8, gpu_share=0.5)
     assert line.endswith("; data.decode=auto put half of the JPEGs on the GPU, where it trained faster: the workers "
                          "and the GPU decoder together are the limit (more cores per card, smaller files)"), line
+    line = input_verdict(0.1, 2.0, 1.2, workers=7, cores=8, gpu_share=0.7)
+    assert "; data.decode=auto put 70% of the JPEGs on the GPU, where it trained faster: the workers and the GPU " \
+           "decoder together are the limit" in line, line
     # The tuner stayed with the workers: the ordinary verdict, with its remedies
     assert input_verdict(0.2, 7.5, 1.2, workers=7, cores=8, gpu_share=0.0) == input_verdict(0.2, 7.5, 1.2, workers=7,
                                                                                              cores=8)
