@@ -132,7 +132,9 @@ def _input_lines(w: dict, unit: str) -> list[str]:
         made = statistics.median(r["input_samples_per_s"] for r in ok) * k
         busy = [r["input_worker_cores"] for r in ok if r.get("input_worker_cores") is not None]
         cores = statistics.median(busy) if busy else None
-        on = (f" on {cores:.1f} cores ({made / cores:,.0f} {unit} a busy core)" if cores and cores >= 0.05 else "")
+        undecoded = "decode=gpu" in name or any(r.get("input_gpu_share") for r in ok)  # made: some only read
+        on = ("" if not cores or cores < 0.05 else f" on {cores:.1f} cores" if undecoded
+              else f" on {cores:.1f} cores ({made / cores:,.0f} {unit} a busy core)")
         lines.append(f"  {name}: the timed steps trained {trained:,.0f} {unit}, its workers made {made:,.0f} "
                      f"{unit} in them{on}" + (" (the row: the lower; the rest came from batches read ahead)"
                                               if made < trained else "") + _auto_choice(ok))

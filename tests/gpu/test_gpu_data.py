@@ -107,7 +107,7 @@ def test_data_decode_auto_moves_jpegs_to_the_card_when_one_worker_cannot_keep_up
     folder = image_folder(tmp_path / "imgs", 200, seed=3)
     p = subprocess.run(job_cmd("train", "workload=resnet50", "strategy=ddp", "strategy.nprocs=1",
                                "workload.num_classes=10", "workload.augment=true", "train.batch_size=32",
-                               "train.steps=200", "train.log_every=50", "train.amp=bf16", "train.channels_last=true",
+                               "train.steps=320", "train.log_every=50", "train.amp=bf16", "train.channels_last=true",
                                "data.kind=imagefolder", f"data.path={folder['path']}", "data.workers=1",
                                f"train.run_dir={tmp_path}", "train.run_id=r"),
                        cwd=ROOT, capture_output=True, text=True, timeout=600)

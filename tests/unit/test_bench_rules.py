@@ -506,5 +506,8 @@ def test_a_real_data_row_says_what_data_decode_auto_ended_with():
     assert _input_lines(w, "img/s")[1].endswith("; data.decode=auto ended with 65% of the JPEGs on the GPU in 1 of 3, "
                                                 "70% of the JPEGs on the GPU in 2 of 3 (its trial windows are in the "
                                                 "timed steps)")
+    # Where JPEGs went to the GPU the workers only read those: no rate a busy core from what they handed over
+    assert " on 6.0 cores;" in line and "a busy core" not in line
     w = {"units_per_sample": 1, "runs": [run(0.0, 1), run(None, 2)]}  # stayed with the workers; no tuner
-    assert "data.decode=auto" not in _input_lines(w, "img/s")[1]
+    line = _input_lines(w, "img/s")[1]
+    assert "data.decode=auto" not in line and line.endswith(" on 6.0 cores (500 img/s a busy core)"), line
