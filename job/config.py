@@ -173,8 +173,8 @@ class DataCfg:
     gpu_share: float = 1.0
     """imagefolder with data.decode=gpu: the fraction of the JPEG samples decoded on the GPU (fixed by sample
     id, spread evenly over every batch); the workers decode the rest at the same time. 1: all on the GPU.
-    Where the workers are short of cores, 0.5 is the place to start: on one H200 with 8 workers, compiled
-    ResNet-50 trained 1.61x the workers' rate alone (docs/benchmarks.md)."""
+    Where the workers are short of cores, data.decode=auto finds a share by itself: on 8 cores of an H200
+    host with 7 workers it chose 0.7 for compiled ResNet-50, 2.5x the workers' rate alone (docs/benchmarks.md)."""
     synthetic_pool: int = 64
     """synthetic: distinct samples generated once and cycled."""
 
