@@ -484,16 +484,11 @@ class SplitTuner:
         self.say = say or log.info
         self.free_bytes = free_bytes or self._free_bytes
         self.g = 0  # batches the stream has handed out
-        self.now = 0.0  # the share of the JPEGs on the GPU now (the last change's, once the workers reach it)
+        self.share = 0.0  # the share of the JPEGs on the GPU now (the last change's, once the workers reach it)
         self.start_at = self.lookahead + 10
         self.window: list | None = None  # [time, made, taken, seconds waited, batches] at its start
         self.rates: dict[float, float] = {}  # samples a second each share tried sustained, in the order tried
         self.done = False
-
-    @property
-    def share(self) -> float:
-        """The share of the JPEGs on the GPU now (the last change's, once the workers reach it)."""
-        return self.now
 
     @staticmethod
     def what(share: float) -> str:
@@ -535,7 +530,7 @@ class SplitTuner:
         self._decide(min(trained, input_rate), wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4])
 
     def _decide(self, rate: float, wait: float, limited: bool, w_steps: int) -> None:
-        share = self.now
+        share = self.share
         self.rates[share] = rate
         sustained = f"{self.what(share)} sustained {rate:,.0f} samples/s"
         if share == 0.0:  # the workers alone
@@ -563,10 +558,10 @@ class SplitTuner:
     def _end(self, share: float, said: str) -> None:
         """The choice made: `share`, from the next batch the workers have not started where it is not the one now."""
         self.done = True
-        if share != self.now:
+        if share != self.share:
             first = self.first_id(self.g + self.lookahead)
             self.split.set(first, share)
-            self.now = share
+            self.share = share
             said += f" from sample {first:,}"
         self.say(f"data.decode=auto: {said} (data.decode=cpu, or data.decode=gpu data.gpu_share=F, decides for good)")
 
@@ -581,7 +576,7 @@ class SplitTuner:
         if not self.split.set(first, share):
             self.done = True
             return
-        self.now = share
+        self.share = share
         self.start_at = self.g + self.lookahead + self.SETTLE
         self.say(f"data.decode=auto: {why}; trying {self.what(share)} from sample {first:,}")
 
