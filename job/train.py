@@ -599,8 +599,8 @@ class Trainer:
         if not (self.step % t.log_every == 0 or self.step == t.steps or evaluating):
             return False
         # The cards' rows before the sync, while the card still runs the step: the host's allocator counts and
-        # NVML already hold the step's memory, and the 1-6 ms they take (measured on an H200's host) overlap
-        # the card's work instead of idling it. The loss and the rate need the sync.
+        # NVML already hold the step's memory, and the 1-2 ms they take on an H200's host overlap the card's
+        # work instead of idling it. The loss and the rate need the sync.
         memory = self._memory_rows()
         self._sync()
         now = time.perf_counter()
