@@ -66,7 +66,16 @@ from __future__ import annotations
 
 from job.bench.chart import write_chart
 from job.bench.child import Runs, RunSpec, input_cores, input_throughput, timed_throughput
-from job.bench.compare import compare, comparisons, paired, rotated, spread, summarize, summary_scaling
+from job.bench.compare import (
+    compare,
+    comparisons,
+    paired,
+    paired_step_ms,
+    rotated,
+    spread,
+    summarize,
+    summary_scaling,
+)
 from job.bench.imagefolder import image_folder
 from job.bench.maxbatch import batch_rule, classify_trial, search_max_batch
 from job.bench.profiling import profile_main
@@ -83,6 +92,6 @@ def run(cfg, workload: str | None = None) -> int:
     return Bench(cfg, workload).run()
 
 
-__all__ = ["RESULT_SCHEMA", "SCHEMA_ID", "Bench", "RunSpec", "Runs", "Tenant", "batch_rule", "classify_trial", "compare", "comparisons", "paired",
+__all__ = ["RESULT_SCHEMA", "SCHEMA_ID", "Bench", "RunSpec", "Runs", "Tenant", "batch_rule", "classify_trial", "compare", "comparisons", "paired", "paired_step_ms",
            "image_folder", "profile_main", "rotated", "run", "search_max_batch", "spread", "summarize",
            "summary_scaling", "table", "timed_throughput", "input_throughput", "input_cores", "user_overrides", "write_chart"]

@@ -46,9 +46,11 @@ def overlapping(a: dict, b: dict) -> bool:
 
 
 def compare(a_name: str, b_name: str, metric: str, a: dict, b: dict,
-            pairs: list[float] | None = None) -> dict[str, Any]:
+            pairs: list[float] | None = None, step_ms: list[float] | None = None) -> dict[str, Any]:
     """a/b's ratio of medians, stated as a claim only when both have repeats and the ranges do not overlap;
-    `pairs`: a/b within each repeat (`paired`), where the two ran minutes apart rather than a whole bench."""
+    `pairs`: a/b within each repeat (`paired`), where the two ran minutes apart rather than a whole bench;
+    `step_ms`: a's step minus b's in milliseconds within each repeat (`paired_step_ms`): what a costs a step
+    over b, a fixed cost per step where it does not follow the step's length."""
     if min(a["n"], b["n"]) < 2:
         verdict = "one run each: no claim"
     elif overlapping(a, b):
@@ -58,17 +60,26 @@ def compare(a_name: str, b_name: str, metric: str, a: dict, b: dict,
     return {"a": a_name, "b": b_name, "metric": metric,
             "ratio": a["median"] / b["median"] if b["median"] else None,
             "a_median": a["median"], "b_median": b["median"],
-            "claim": verdict == "ranges do not overlap", "verdict": verdict, "paired": spread(pairs or [])}
+            "claim": verdict == "ranges do not overlap", "verdict": verdict, "paired": spread(pairs or []),
+            "paired_step_ms": spread(step_ms or [])}
+
+
+def _by_repeat(runs: list[dict], name: str, metric: str) -> dict[int, float]:
+    return {r["repeat"]: r[metric] for r in runs if r["name"] == name and r["kind"] in COMPARED
+            and r["status"] == "ok" and r[metric]}
 
 
 def paired(runs: list[dict], a_name: str, b_name: str, metric: str = "units_per_s") -> list[float]:
     """a/b of each repeat in which both ran (ok). Every repeat runs each row once, so the two runs of a pair
     are minutes apart, not a whole bench: a machine whose speed drifts over the bench moves them alike."""
-    def by_repeat(name: str) -> dict[int, float]:
-        return {r["repeat"]: r[metric] for r in runs if r["name"] == name and r["kind"] in COMPARED
-                and r["status"] == "ok" and r[metric]}
-    a, b = by_repeat(a_name), by_repeat(b_name)
+    a, b = _by_repeat(runs, a_name, metric), _by_repeat(runs, b_name, metric)
     return [a[k] / b[k] for k in sorted(a.keys() & b.keys())]
+
+
+def paired_step_ms(runs: list[dict], a_name: str, b_name: str) -> list[float]:
+    """a's step time minus b's, in milliseconds, of each repeat in which both ran (ok), as `paired` pairs them."""
+    a, b = _by_repeat(runs, a_name, "step_s"), _by_repeat(runs, b_name, "step_s")
+    return [(a[k] - b[k]) * 1e3 for k in sorted(a.keys() & b.keys())]
 
 
 def summarize(runs: list[dict], names: list[str], *, window: list[int]) -> list[dict]:
@@ -135,7 +146,7 @@ def comparisons(rows: list[dict], runs: list[dict]) -> list[dict]:
     carry the ratio within each repeat (`runs`: every run of the rows)."""
     def throughput(a: dict, b: dict) -> dict:
         return compare(a["name"], b["name"], "units_per_s", a["units_per_s"], b["units_per_s"],
-                       paired(runs, a["name"], b["name"]))
+                       paired(runs, a["name"], b["name"]), paired_step_ms(runs, a["name"], b["name"]))
 
     out = []
     strat = [r for r in rows if r["kind"] == "strategy" and r["units_per_s"]]

@@ -11,10 +11,10 @@ from typing import Any
 
 from job.breakdown import KINDS
 
-SCHEMA_ID = "trainjob-bench/9"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
+SCHEMA_ID = "trainjob-bench/10"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
 # 5: comparisons[].paired; 6: runs' trained_samples_per_s and input_samples_per_s (samples_per_s: the lower);
 # 7: runs' input_worker_cores, the environment's cpu_cores (physical cores); 8: settings.imagefolder_variants;
-# 9: runs' input_gpu_share (data.decode=auto's choice)
+# 9: runs' input_gpu_share (data.decode=auto's choice); 10: comparisons[].paired_step_ms
 # Runs whose numbers are compared across repeats (one table row each).
 COMPARED = ("baseline", "reference", "strategy", "imagefolder", "tokens")
 DATA = ("synthetic", "imagefolder", "tokens")
@@ -98,7 +98,7 @@ COMPARISON_SCHEMA = _obj({
     "a": _STR, "b": _STR, "metric": {"enum": ["units_per_s", "busiest_peak_bytes"]},
     "ratio": _nullable(_NUM), "a_median": _NUM, "b_median": _NUM,
     "claim": _BOOL, "verdict": {"enum": ["ranges do not overlap", "overlapping", "one run each: no claim"]},
-    "paired": _nullable(SPREAD_SCHEMA),
+    "paired": _nullable(SPREAD_SCHEMA), "paired_step_ms": _nullable(SPREAD_SCHEMA),
 })
 # A trial's "batch" is the value of settings.maxbatch.key it tried (the global batch, or the lm's layers).
 TRIAL_SCHEMA = _obj({"batch": _INT, "outcome": {"enum": ["fits", "too_big", "error", "interrupted"]},

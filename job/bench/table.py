@@ -83,6 +83,9 @@ def table(doc: dict, w: dict) -> str:
             p = c["paired"]
             pairs = (f"; within each repeat {p['median']:.2f}x ({p['min']:.2f}-{p['max']:.2f}, {p['n']} pairs)"
                      if p and p["n"] > 1 else "")
+            d = c["paired_step_ms"]
+            if pairs and d:
+                pairs += f", {d['median']:+.2f} ms a step ({d['min']:+.2f} to {d['max']:+.2f})"
             lines.append(f"  {c['a']} / {c['b']}: {what} {ratio}: {c['verdict']}{pairs}")
     lines += _input_lines(w, unit)
     if w.get("imagefolder"):

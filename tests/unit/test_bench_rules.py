@@ -236,7 +236,9 @@ def test_gpu_shaped_results_table_and_chart(tmp_path):
     assert "baseline" in next(x for x in lines if x.startswith("1gpu "))
     assert "failed: torch.OutOfMemoryError: CUDA out of memory" in next(x for x in lines if x.startswith("balanced"))
     # dp's and ddp's ranges do not overlap: claims; balanced never ran.
-    assert "  dp / ddp: tok/s 0.18x: ranges do not overlap; within each repeat 0.18x (0.18-0.18, 2 pairs)" in lines
+    # and a step of dp less one of ddp in each repeat: 16 samples at 96 and 545/s, then 98 and 555/s
+    assert ("  dp / ddp: tok/s 0.18x: ranges do not overlap; within each repeat 0.18x (0.18-0.18, 2 pairs), "
+            "+135.87 ms a step (+134.44 to +137.31)") in lines
     assert "  dp / ddp: busiest card's peak allocated 1.70x: ranges do not overlap" in lines
     assert not any("balanced /" in x for x in lines)
     # memory by kind per card, GB (10^9 bytes), medians of the repeats: dp's optimizer state only on card 0
@@ -294,8 +296,13 @@ def test_paired_ratios_follow_each_repeat_through_a_drifting_machine():
     (c,) = bench.comparisons(rows, runs)
     assert c["verdict"] == "overlapping"
     assert c["paired"] == {"median": pytest.approx(0.9), "min": pytest.approx(0.9), "max": pytest.approx(0.9), "n": 3}
+    # what a costs a step over b, per repeat: 16 samples at 90 x speed against 100 x speed a second
+    ms = [16e3 / speed * (1 / 90 - 1 / 100) for speed in (1.0, 1.5, 1.2)]
+    assert bench.paired_step_ms(runs, "a", "b") == pytest.approx(ms)
+    assert c["paired_step_ms"] == {"median": pytest.approx(ms[2]), "min": pytest.approx(ms[1]),
+                                   "max": pytest.approx(ms[0]), "n": 3}
     single = bench.compare("a", "b", "units_per_s", bench.spread([1.0]), bench.spread([2.0]))
-    assert single["paired"] is None
+    assert single["paired"] is None and single["paired_step_ms"] is None
 
 
 def test_schema_rejects_a_missing_or_mistyped_key():
