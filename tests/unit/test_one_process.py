@@ -47,3 +47,32 @@ def test_ddp_as_one_process_runs_the_plain_model(compile):
     # Collectives are the identity: nothing to synchronise.
     assert s.all_gather_object({"a": 1}) == [{"a": 1}] and s.mean(2.5) == 2.5 and s.any(True) and not s.any(False)
     s.barrier()
+
+
+def test_a_run_walks_its_tensors_for_the_memory_breakdown_once_however_often_it_logs(tmp_path, monkeypatch):
+    """Each logged step's memory breakdown (and the summary's) counts the parameters, gradients and optimizer
+    state; their sizes are fixed once the first step made the state, so the trainer walks them once."""
+    import json
+
+    from job import config, train
+
+    walks = []
+    walk = DDPStrategy.memory_tensors
+
+    def counted(self, optimizer):
+        walks.append(1)
+        return walk(self, optimizer)
+
+    monkeypatch.setattr(DDPStrategy, "memory_tensors", counted)
+    cfg = config.load(["workload=tiny", "workload.width=8", "workload.image_size=16", "train.batch_size=8",
+                       "strategy=ddp", "train.device=cpu", "train.steps=12", "train.log_every=1",
+                       f"train.run_dir={tmp_path}", "train.run_id=r", "train.final_checkpoint=false"])
+    assert train.run(cfg) == 0
+    logged = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == 12 and len(walks) == 1
+    held = {tuple(r["memory_breakdown"][0]["kinds"][k] for k in ("parameters", "gradients", "optimizer_state"))
+            for r in logged}
+    (end,) = json.loads((tmp_path / "r" / "summary.json").read_text())["memory_breakdown"]
+    params = held.pop()
+    assert not held and params[1] == params[0] > 0 and params[2] >= params[0]  # SGD momentum, or AdamW: 2x
+    assert params == tuple(end["kinds"][k] for k in ("parameters", "gradients", "optimizer_state"))
