@@ -59,6 +59,7 @@ class Data:
         self.device = device  # the training device: where data.decode=auto decodes images
         self._train: tuple | None = None
         self._split = GpuSplit() if self.adaptive else None  # made before any worker starts: they share it
+        self._val: tuple | None = None  # (what it was made for, the held-out DataLoader, move): val_batches'
 
     @property
     def decode(self) -> str:
@@ -217,12 +218,29 @@ class Data:
                 x, y = pool.take(ids)
                 yield _format(x, channels_last), y, n
             return
-        ds, indices = fetch
-        picked = [[SampleIndex(indices[i], i, self.seed) for i in ids] for ids in index_lists]
-        loader = _loader(self.resolved.name, ds, picked, workers=self.cfg.workers, device=device, channels_last=channels_last,
-                         prefetch=False, persistent=False, nice=self.cfg.worker_nice)
-        for (x, y), n in zip(loader, counts):
+        key = (batch, limit, rank, world, str(device), channels_last)
+        if self._val is None or self._val[0] != key:
+            self.close()
+            ds, indices = fetch
+            picked = [[SampleIndex(indices[i], i, self.seed) for i in ids] for ids in index_lists]
+            self._val = (key, *_held_out_loader(self.resolved.name, ds, picked, workers=self.cfg.workers,
+                                                device=device, channels_last=channels_last, nice=self.cfg.worker_nice))
+        _, loader, move = self._val
+        it = iter(loader)
+        if self.cfg.workers:
+            _WITH_WORKERS.add(it)
+        for b, n in zip(it, counts):
+            x, y = move(b)
             yield x, y, n
+
+    def close(self) -> None:
+        """Stop the held-out loader's workers (the training stream's stop with its iterator)."""
+        if self._val is not None:
+            it = getattr(self._val[1], "_iterator", None)
+            self._val = None
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
 
 
 def held_out_split(n: int, fraction: float, *, path: str = "") -> tuple[list[int], list[int]]:
@@ -326,24 +344,13 @@ def _hooks(name: str, ds, device: torch.device, channels_last: bool):
 
 def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device, channels_last: bool, prefetch: bool,
             persistent: bool, nice: int = 0, tuner: SplitTuner | None = None):
-    import functools
-
-    from torch.utils.data import DataLoader
-
-    if workers:
-        # Many tensors returned by workers exhaust file descriptors under the default strategy (seen on
-        # a GPU host as "Bad file descriptor").
-        torch.multiprocessing.set_sharing_strategy("file_system")
     collate, move = _hooks(name, ds, device, channels_last)
     made = None
     if workers and persistent:  # the training stream: its batches cross in slots the workers reuse
         collate, move = _through_slots(collate, move)
         made = torch.zeros(workers, dtype=torch.int64).share_memory_()
         collate = CountingCollate(collate, made)
-    loader = DataLoader(ds, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
-                        collate_fn=collate, persistent_workers=persistent and workers > 0,
-                        worker_init_fn=functools.partial(_worker_start, nice=nice) if workers else None,
-                        prefetch_factor=PREFETCH_FACTOR if workers else None)
+    loader = _data_loader(ds, batch_sampler, collate, workers=workers, device=device, persistent=persistent, nice=nice)
     it = iter(loader)
     if workers:
         _WITH_WORKERS.add(it)
@@ -367,6 +374,42 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
 
 
 PREFETCH_FACTOR = 2  # batches each worker prepares ahead (DataLoader's default)
+
+
+def _data_loader(ds, batch_sampler, collate, *, workers: int, device: torch.device, persistent: bool, nice: int):
+    import functools
+
+    from torch.utils.data import DataLoader
+
+    if workers:
+        # Many tensors returned by workers exhaust file descriptors under the default strategy (seen on
+        # a GPU host as "Bad file descriptor").
+        torch.multiprocessing.set_sharing_strategy("file_system")
+    return DataLoader(ds, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
+                      collate_fn=collate, persistent_workers=persistent and workers > 0,
+                      worker_init_fn=functools.partial(_worker_start, nice=nice) if workers else None,
+                      prefetch_factor=PREFETCH_FACTOR if workers else None)
+
+
+def _held_out_loader(name: str, ds, batches: list, *, workers: int, device: torch.device, channels_last: bool,
+                     nice: int):
+    """(DataLoader, move) for the held-out batches, read whole at every evaluation. Its workers start at the
+    first evaluation and are kept for the next ones: forked once a run, not once an evaluation. (A fork while
+    another thread creates or drops a Python thread state can leave the child of a CPython 3.11 without the fix
+    of python/cpython#112275, such as 3.11.7, waiting forever on a lock in PyOS_AfterFork_Child; seen once in
+    a CPU test with 3 evaluations.) The first batch's pair is checked as the training stream's is."""
+    collate, move = _hooks(name, ds, device, channels_last)
+    loader = _data_loader(ds, batches, collate, workers=workers, device=device, persistent=True, nice=nice)
+    checked = getattr(ds, "to_device", None) is not None  # then `move` checks the pair the dataset made
+
+    def move_checked(batch):
+        nonlocal checked
+        if not checked:
+            _check_pair(name, "dataset items", batch, _rows(batch))
+            checked = True
+        return move(batch)
+
+    return loader, move_checked
 
 
 class CountingCollate:

@@ -172,12 +172,20 @@ def test_the_workers_run_at_the_training_processs_priority_lowered_by_data_worke
     lowest priority); 0 leaves them at the training process's."""
     import os
 
+    from job.data import _held_out_loader
+
     base = os.nice(0)
     for persistent in (True, False):
         for nice, want in ((7, min(19, base + 7)), (0, base)):
             got = list(_loader("t", Niceness(), _batches(4), workers=2, device=CPU, channels_last=False,
                                prefetch=False, persistent=persistent, nice=nice))
             assert {float(x.max()) for x, _ in got} == {float(want)}, (persistent, nice)
+    for nice, want in ((7, min(19, base + 7)), (0, base)):
+        loader, move = _held_out_loader("t", Niceness(), _batches(4), workers=2, device=CPU, channels_last=False,
+                                        nice=nice)
+        got = [move(b) for b in loader]
+        assert {float(x.max()) for x, _ in got} == {float(want)}, ("held-out", nice)
+        loader._iterator._shutdown_workers()
     assert os.nice(0) == base  # the training process keeps its own
 
 
@@ -187,13 +195,15 @@ def test_data_worker_nice_reaches_both_loaders_and_defaults_to_10(tmp_path, monk
     from job.data import Data
 
     seen = []
-    real = data._loader
 
-    def spy(*a, **kw):
-        seen.append((kw["persistent"], kw["nice"]))
-        return real(*a, **kw)
+    def spy(name, real):
+        def call(*a, **kw):
+            seen.append((name, kw["nice"]))
+            return real(*a, **kw)
+        return call
 
-    monkeypatch.setattr(data, "_loader", spy)
+    monkeypatch.setattr(data, "_loader", spy("training", data._loader))
+    monkeypatch.setattr(data, "_held_out_loader", spy("held-out", data._held_out_loader))
     tokens = tmp_path / "t.bin"
     torch.arange(4000, dtype=torch.int16).numpy().tofile(tokens)
     for args, nice in (([], 10), (["data.worker_nice=3"], 3)):
@@ -202,6 +212,44 @@ def test_data_worker_nice_reaches_both_loaders_and_defaults_to_10(tmp_path, monk
         d = Data(config.workload_of(cfg), config.workload_settings(cfg), cfg.data, seed=0, device=CPU)
         next(d.batches(micro_batch=2, start=0, offset=0, count=2, device=CPU, channels_last=False, prefetch=False))
         next(d.val_batches(batch=2, limit=2, rank=0, world=1, device=CPU, channels_last=False))
-        assert seen[-2:] == [(True, nice), (False, nice)]
+        assert seen[-2:] == [("training", nice), ("held-out", nice)]
+        d.close()
     with pytest.raises(config.UsageError, match="data.worker_nice"):
         config.load(["data.worker_nice=20"])
+
+
+def test_the_held_out_workers_are_forked_once_a_run_and_every_evaluation_reads_the_same_batches(tmp_path):
+    """Validation's DataLoader workers start at the first evaluation and serve the later ones (one fork a run,
+    not one an evaluation); every evaluation reads the same batches as one without workers; another shape
+    of the held-out batches (a re-split) gets a new loader; close() stops the workers."""
+    from job import config
+    from job.data import Data
+
+    tokens = tmp_path / "t.bin"
+    torch.arange(4000, dtype=torch.int16).numpy().tofile(tokens)
+
+    def data(workers):
+        cfg = config.load(["workload=lm", "workload.seq_len=8", "data.kind=tokens", f"data.path={tokens}",
+                           f"data.val_path={tokens}", f"data.workers={workers}", "train.device=cpu"])
+        return Data(config.workload_of(cfg), config.workload_settings(cfg), cfg.data, seed=0, device=CPU)
+
+    def evaluate(d, batch=4, rank=0, world=1):
+        return [(x.clone(), y.clone(), n) for x, y, n in
+                d.val_batches(batch=batch, limit=20, rank=rank, world=world, device=CPU, channels_last=False)]
+
+    want = evaluate(data(0))
+    d = data(2)
+    pids = []
+    for _ in range(3):
+        got = evaluate(d)
+        assert len(got) == len(want) == 5
+        assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2] == b[2] for a, b in zip(got, want))
+        pids.append(sorted(w.pid for w in d._val[1]._iterator._workers))
+    assert pids[0] == pids[1] == pids[2] and len(pids[0]) == 2
+    kept = d._val[1]._iterator._workers
+    half = evaluate(d, rank=1, world=2)  # the ranks changed: this rank's shares of the same batches
+    assert [n for *_, n in half] == [2, 2, 2, 2, 2]
+    assert all(not w.is_alive() for w in kept)
+    now = d._val[1]._iterator._workers
+    d.close()
+    assert d._val is None and all(not w.is_alive() for w in now)
