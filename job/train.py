@@ -529,7 +529,7 @@ class Trainer:
         when stopped early. One step: the arithmetic (`_step`), the window's bookkeeping, a log line (and
         validation) when due, telemetry, a periodic checkpoint when due, and the stop vote. `settle`: called
         once warm-up is over (_collecting_every's)."""
-        t = self.cfg.train
+        t = self._train = _plain(self.cfg.train)
         window = _Window(self, warmup=t.timing_warmup, settle=settle)
         rank_samples = self.strategy.share(self.micro_batch)[1] * t.accum_steps
         self._logged_at, self._logged_step, self._last_loss = time.perf_counter(), self.step, float("nan")
@@ -561,7 +561,7 @@ class Trainer:
     def _step(self, *, poison: bool) -> None:
         """One optimizer step over train.accum_steps micro-batches (`poison`: a fault test's NaN loss); the loss
         is added to the sum since the last log line, and the step hooks are called."""
-        t = self.cfg.train
+        t = self._train
         self._set_lr()
         self.optimizer.zero_grad(set_to_none=True)
         for micro in range(t.accum_steps):
@@ -594,7 +594,7 @@ class Trainer:
     def _log_if_due(self) -> bool:
         """At a log step (train.log_every, the last step, an evaluation): the mean loss over the ranks since the
         last line, the throughput, validation when due, the log line; True when that loss is not finite."""
-        t = self.cfg.train
+        t = self._train
         evaluating = self.evaluator.due(self.step)
         if not (self.step % t.log_every == 0 or self.step == t.steps or evaluating):
             return False
@@ -619,7 +619,7 @@ class Trainer:
         return not math.isfinite(self._last_loss)
 
     def _set_lr(self) -> None:
-        t = self.cfg.train
+        t = self._train
         scale = min(1.0, (self.step + 1) / t.warmup_steps) if t.warmup_steps else 1.0
         for group in self.optimizer.param_groups:
             group["lr"] = t.lr * scale
@@ -796,6 +796,18 @@ class Trainer:
         del self.model, self.optimizer, self.batches
         gc.collect()
         launch.destroy_group()
+
+
+def _plain(section):
+    """A config section as a plain object for the training loop's reads: an OmegaConf attribute read costs
+    about 12 µs on the 2-core development machine, and the loop made 17.5 of them a step (about 0.2 ms; on
+    one H200's host the trainer's step was 0.1-0.2 ms longer than the hand-written loop's on `lm` and
+    ResNet-50)."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    return SimpleNamespace(**OmegaConf.to_container(section, resolve=True))
 
 
 @contextlib.contextmanager
