@@ -78,7 +78,8 @@ def test_a_run_walks_its_tensors_for_the_memory_breakdown_once_however_often_it_
     assert params == tuple(end["kinds"][k] for k in ("parameters", "gradients", "optimizer_state"))
 
 
-def test_the_training_loop_reads_no_omegaconf_attribute_at_a_step_that_does_not_log(tmp_path, monkeypatch):
+@pytest.mark.parametrize("strategy", ["ddp", "dp", "balanced"])
+def test_the_training_loop_reads_no_omegaconf_attribute_at_a_step_that_does_not_log(tmp_path, monkeypatch, strategy):
     """An OmegaConf attribute read costs ~12 µs on a slow host; the loop made 17.5 a step before it read a plain
     copy of the train section: 20 more steps (2 of them logged) add at most a few reads, all at the log steps."""
     from omegaconf import DictConfig
@@ -99,7 +100,7 @@ def test_the_training_loop_reads_no_omegaconf_attribute_at_a_step_that_does_not_
 
     def run(steps: int) -> Counter:
         cfg = config.load(["workload=tiny", "workload.width=8", "workload.image_size=16", "train.batch_size=8",
-                           "strategy=ddp", "train.device=cpu", f"train.steps={steps}", "train.log_every=10",
+                           f"strategy={strategy}", "train.device=cpu", f"train.steps={steps}", "train.log_every=10",
                            f"train.run_dir={tmp_path}", f"train.run_id=r{steps}", "train.final_checkpoint=false"])
         monkeypatch.setattr(DictConfig, "__getattr__", counted)
         try:
