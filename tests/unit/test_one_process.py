@@ -82,12 +82,12 @@ def test_a_run_walks_its_tensors_for_the_memory_breakdown_once_however_often_it_
 def test_the_training_loop_reads_no_omegaconf_attribute_at_a_step_that_does_not_log(tmp_path, monkeypatch, strategy):
     """An OmegaConf attribute read costs ~12 µs on a slow host; the loop made 17.5 a step before it read a plain
     copy of the train section: 20 more steps (2 of them logged) add at most a few reads, all at the log steps."""
+    import threading
+    from collections import Counter
+
     from omegaconf import DictConfig
 
     from job import config, train
-
-    import threading
-    from collections import Counter
 
     reads = []
     read = DictConfig.__getattr__
