@@ -629,13 +629,11 @@ class Trainer:
             for d in self.devices:
                 torch.cuda.synchronize(d)
 
-    def _rows(self) -> list[dict]:
-        rows = report.card_rows(self.devices, rank=self.env.rank, plan_cards=self.strategy.local_cards(self.plan))
-        return [r for per_rank in self.strategy.all_gather_object(rows) for r in per_rank]
-
     def _memory_rows(self) -> tuple[list[dict], list[dict]]:
-        """Every rank's per-card rows and memory by kind (collectives: every rank calls it)."""
-        return self._rows(), self.memory.rows()
+        """Every rank's per-card rows and memory by kind, in rank order (one collective: every rank calls it)."""
+        cards = report.card_rows(self.devices, rank=self.env.rank, plan_cards=self.strategy.local_cards(self.plan))
+        ranks = self.strategy.all_gather_object((cards, self.memory.measure(peak=True)))
+        return [r for mine, _ in ranks for r in mine], [r for _, kinds in ranks for r in kinds]
 
     def _log_step(self, loss: float, rate: float, wait: float, memory: tuple[list[dict], list[dict]], *, cards: bool,
                   val: dict | None = None) -> None:

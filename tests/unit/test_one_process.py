@@ -113,3 +113,32 @@ def test_the_training_loop_reads_no_omegaconf_attribute_at_a_step_that_does_not_
     short, long = run(10), run(30)
     more = long - short
     assert sum(more.values()) <= 2 * 4, more  # two log steps more, a few reads each (before: 370 more)
+
+
+def test_a_log_step_gathers_the_cards_rows_and_the_memory_breakdown_in_one_collective(tmp_path, monkeypatch):
+    """Every rank's per-card rows and memory by kind travel together: one all_gather_object a log step (it was
+    two), and the rows logged are every rank's, in rank order."""
+    import json
+
+    from job import config, train
+
+    gathers = []
+    gather = DDPStrategy.all_gather_object
+
+    def counted(self, obj):
+        gathers.append(obj)
+        return gather(self, obj)
+
+    monkeypatch.setattr(DDPStrategy, "all_gather_object", counted)
+
+    def run(steps: int) -> int:
+        cfg = config.load(["workload=tiny", "workload.width=8", "workload.image_size=16", "train.batch_size=8",
+                           "strategy=ddp", "train.device=cpu", f"train.steps={steps}", "train.log_every=1",
+                           f"train.run_dir={tmp_path}", f"train.run_id=r{steps}", "train.final_checkpoint=false"])
+        del gathers[:]
+        assert train.run(cfg) == 0
+        return len(gathers)
+
+    assert run(12) - run(2) == 10
+    logged = [json.loads(x) for x in (tmp_path / "r12" / "metrics.jsonl").read_text().splitlines()]
+    assert len(logged) == 12 and all([r["rank"] for r in rec["memory_breakdown"]] == [0] for rec in logged)
