@@ -18,8 +18,9 @@ parameter's padded shard) once, under the first kind that holds it. `split` is t
 with job.fakes); `Memory` reads the sources for the cards of one process: the strategy's tensors
 (`Strategy.memory_tensors`), torch's allocator (`job.telemetry.allocator.TorchAllocator`, or a stand-in),
 NVML (`pynvml`, or `job.fakes.FakeNvml`), the card map (job.devices). At the end of a run and at every logged
-step the trainer asks for `rows()` (at the peak: the same window as the per-card table); the telemetry
-exporter asks for `live()` at each scrape. On a CPU the three tensor kinds are all there is: the row says so.
+step the trainer asks for `measure(peak=True)` (the same window as the per-card table) and gathers every
+rank's rows with its per-card rows; the telemetry exporter asks for `live()` at each scrape. On a CPU the
+three tensor kinds are all there is: the row says so.
 """
 
 from __future__ import annotations
@@ -304,11 +305,6 @@ class Memory:
             rows.append(_row(self.rank, str(device), card.uuid if card else "", card.name if card else "",
                              "peak" if peak else "now", kinds, total, others, cap, cap_free, notes))
         return rows
-
-    def rows(self) -> list[dict]:
-        """Every rank's cards at the peak, in rank order (a collective: every rank calls it)."""
-        mine = self.measure(peak=True)
-        return [r for per_rank in self.strategy.all_gather_object(mine) for r in per_rank]
 
     def now(self) -> list[dict]:
         """This process's cards now; in the thread that trains (see `live`)."""

@@ -56,7 +56,7 @@ def _dp():
         {"parameters": [G], "gradients": [G], "optimizer_state": [G, G]}, {}])
     # (allocated now, reserved, peak allocated): card 1 only ever holds the replica and its share's activations
     m = _memory(layout, nv, cards, {0: (5 * G, 14 * G, 12 * G), 1: (G // 2, 4 * G, 3 * G)})
-    return m.rows(), [
+    return m.measure(peak=True), [
         dict(parameters=1, gradients=1, optimizer_state=2, activations=8, allocator_cache=2, cuda_context=0.6,
              other_processes=50, unattributed=0.3, free=round((TOTAL - 64.9 * G) / G, 3)),
         dict(parameters=0, gradients=0, optimizer_state=0, activations=3, allocator_cache=1, cuda_context=0.5,
@@ -72,7 +72,7 @@ def _balanced():
                 {0: (5 * G, 9 * G, 8 * G), 1: (5 * G, 9 * G, 7 * G)})
     same = dict(parameters=1, gradients=1, optimizer_state=2, allocator_cache=1, cuda_context=0.5,
                 other_processes=0, unattributed=0.3, free=round((TOTAL - 9.8 * G) / G, 3))
-    return m.rows(), [{**same, "activations": 4}, {**same, "activations": 3, "allocator_cache": 2}]
+    return m.measure(peak=True), [{**same, "activations": 4}, {**same, "activations": 3, "allocator_cache": 2}]
 
 
 def _ranks(per_rank_tensors, stats, used, processes):
@@ -246,7 +246,7 @@ def test_cpu_rows_say_there_is_no_card():
                                                           "gradients": [p.grad for p in model.parameters()],
                                                           "optimizer_state": [opt.state[p]["momentum_buffer"]
                                                                               for p in model.parameters()]}])
-    (row,) = Memory(strategy, opt, rank=0).rows()
+    (row,) = Memory(strategy, opt, rank=0).measure(peak=True)
     assert row["device"] == "cpu" and row["uuid"] == "cpu" and row["total_bytes"] is None
     assert {k: v for k, v in row["kinds"].items() if v is not None} == {
         "parameters": 4040, "gradients": 4040, "optimizer_state": 4040}
@@ -272,7 +272,7 @@ def test_tensor_bytes_are_counted_again_only_when_the_optimizer_state_or_the_gra
     memory = Memory(strategy, opt, rank=0)
 
     def held():
-        (row,) = memory.rows()
+        (row,) = memory.measure(peak=True)
         return [row["kinds"][k] for k in breakdown.TENSOR_KINDS]
 
     assert held() == [4040, 0, 0] and len(asked) == 1
