@@ -236,11 +236,10 @@ class Data:
     def close(self) -> None:
         """Stop the held-out loader's workers (the training stream's stop with its iterator)."""
         if self._val is not None:
-            it = getattr(self._val[1], "_iterator", None)
+            it = self._val[1]._iterator  # None without workers
             self._val = None
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
+            if it is not None:
+                _stop_workers(it)
 
 
 def held_out_split(n: int, fraction: float, *, path: str = "") -> tuple[list[int], list[int]]:
@@ -360,8 +359,7 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
         return iter(())
     # The first batch now, so a file that does not decode is refused before the run writes anything. Its pair
     # is checked here, or by `move` after the dataset's own to_device made the tensors.
-    if getattr(ds, "to_device", None) is None and not isinstance(first, SlotBatch):  # a SlotBatch is a pair
-        _check_pair(name, "dataset items", first, _rows(first))
+    _check_items(name, ds, first)
     first = move(first)
     if prefetch:
         stream = itertools.chain([first], Prefetcher(it, device, move))
@@ -374,6 +372,13 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
 
 
 PREFETCH_FACTOR = 2  # batches each worker prepares ahead (DataLoader's default)
+
+
+def _check_items(name: str, ds, batch) -> None:
+    """A loader's first collated batch must be an (x, y) pair; where the dataset has its own to_device, `move`
+    checks the pair that made instead (a SlotBatch is a pair)."""
+    if getattr(ds, "to_device", None) is None and not isinstance(batch, SlotBatch):
+        _check_pair(name, "dataset items", batch, _rows(batch))
 
 
 def _data_loader(ds, batch_sampler, collate, *, workers: int, device: torch.device, persistent: bool, nice: int):
@@ -400,12 +405,12 @@ def _held_out_loader(name: str, ds, batches: list, *, workers: int, device: torc
     a CPU test with 3 evaluations.) The first batch's pair is checked as the training stream's is."""
     collate, move = _hooks(name, ds, device, channels_last)
     loader = _data_loader(ds, batches, collate, workers=workers, device=device, persistent=True, nice=nice)
-    checked = getattr(ds, "to_device", None) is not None  # then `move` checks the pair the dataset made
+    checked = False
 
     def move_checked(batch):
         nonlocal checked
         if not checked:
-            _check_pair(name, "dataset items", batch, _rows(batch))
+            _check_items(name, ds, batch)
             checked = True
         return move(batch)
 
@@ -704,13 +709,18 @@ def shutdown_workers() -> None:
     """Stop the DataLoader workers of every loader still open in this process; at exit, before torch's own exit
     hook, which would leave them to multiprocessing's terminate (and a SIGTERM no longer stops them)."""
     for it in list(_WITH_WORKERS):
-        shutdown = getattr(it, "_shutdown_workers", None)
-        if shutdown is not None:
-            try:
-                shutdown()
-            except Exception as e:  # a worker already gone: nothing left to stop
-                log.debug("data: shutting the workers down: %s", e)
-        _WITH_WORKERS.discard(it)
+        _stop_workers(it)
+
+
+def _stop_workers(it) -> None:
+    """Stop one DataLoader iterator's workers (none: nothing to do)."""
+    shutdown = getattr(it, "_shutdown_workers", None)
+    if shutdown is not None:
+        try:
+            shutdown()
+        except Exception as e:  # a worker already gone: nothing left to stop
+            log.debug("data: shutting the workers down: %s", e)
+    _WITH_WORKERS.discard(it)
 
 
 atexit.register(shutdown_workers)  # registered after torch's exit hook, so it runs before it
