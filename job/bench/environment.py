@@ -95,6 +95,17 @@ def physical_cores(root: Path = Path("/sys/devices/system/cpu")) -> int | None:
     return len(cores) or None
 
 
+def cpu_list(cpus: list[int]) -> str:
+    """CPU numbers in the kernel's list format (`0-7,12`), as taskset -c and /proc's Cpus_allowed_list write them."""
+    spans: list[list[int]] = []
+    for cpu in sorted(set(cpus)):
+        if spans and cpu == spans[-1][1] + 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
 def _nccl_version() -> str | None:
     import torch
 
@@ -117,6 +128,8 @@ def _torchvision_version() -> str | None:
 def environment(results: list[dict]) -> dict[str, Any]:
     import torch
 
+    from job.data import usable_cpus
+
     cmd = sys.argv[1:] if sys.argv and sys.argv[0].endswith("__main__.py") else None
     command = shlex.join(["python", "-m", "job", *cmd]) if cmd is not None else shlex.join(sys.argv)
     gpus: dict[str, dict] = {}
@@ -136,7 +149,7 @@ def environment(results: list[dict]) -> dict[str, Any]:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(), "command": command,
         "python": platform.python_version(), "platform": platform.platform(), "cpu": _cpu_model(),
-        "cpu_count": os.cpu_count() or 0, "cpu_cores": physical_cores(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+        "cpu_count": os.cpu_count() or 0, "cpus": cpu_list(usable_cpus()), "cpu_cores": physical_cores(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
         "cudnn": cudnn, "nccl": _nccl_version(), "torchvision": _torchvision_version(),
         "driver": driver, "cuda_driver": cuda_driver,
         "gpu_model": ", ".join(sorted({g["name"] for g in gpu_list})) or None, "gpus": gpu_list,
@@ -146,13 +159,21 @@ def environment(results: list[dict]) -> dict[str, Any]:
 
 
 def versions(env: dict) -> str:
-    """`torch 2.14.1, CUDA 12.8, cuDNN 91000, NCCL 2.21.5, driver 580.1; 32 CPUs on 16 cores; commit 0123456789ab`"""
+    """`torch 2.14.1, CUDA 12.8, cuDNN 91000, NCCL 2.21.5, driver 580.1; 32 CPUs on 16 cores; commit 0123456789ab`;
+    a bench held to some of the host's CPUs (taskset, a Slurm or container limit) says which:
+    `32 CPUs, this bench on 0-7 (4 cores)`."""
     parts = [f"torch {env['torch']}"]
     for key, label in (("torch_cuda", "CUDA"), ("cudnn", "cuDNN"), ("nccl", "NCCL")):
         if env.get(key):
             parts.append(f"{label} {env[key]}")
     parts.append(f"driver {env['driver']}" if env.get("driver") else "no GPU driver")
-    host = f"; {env['cpu_count']} CPUs" + (f" on {env['cpu_cores']} cores" if env.get("cpu_cores") else "")
+    cores = env.get("cpu_cores")
+    allowed = env.get("cpus")
+    if allowed and allowed != cpu_list(list(range(env["cpu_count"]))):
+        host = f"; {env['cpu_count']} CPUs, this bench on {allowed}" + (
+            f" ({cores} core{'s' if cores != 1 else ''})" if cores else "")
+    else:
+        host = f"; {env['cpu_count']} CPUs" + (f" on {cores} cores" if cores else "")
     commit = env["commit"][:12] if env.get("commit") else "unknown commit (no .git; set GIT_COMMIT)"
     if env.get("commit_dirty"):
         commit += " + uncommitted changes"

@@ -11,10 +11,11 @@ from typing import Any
 
 from job.breakdown import KINDS
 
-SCHEMA_ID = "trainjob-bench/10"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
+SCHEMA_ID = "trainjob-bench/11"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
 # 5: comparisons[].paired; 6: runs' trained_samples_per_s and input_samples_per_s (samples_per_s: the lower);
 # 7: runs' input_worker_cores, the environment's cpu_cores (physical cores); 8: settings.imagefolder_variants;
-# 9: runs' input_gpu_share (data.decode=auto's choice); 10: comparisons[].paired_step_ms
+# 9: runs' input_gpu_share (data.decode=auto's choice); 10: comparisons[].paired_step_ms; 11: the environment's
+# cpus (the CPUs the bench may use)
 # Runs whose numbers are compared across repeats (one table row each).
 COMPARED = ("baseline", "reference", "strategy", "imagefolder", "tokens")
 DATA = ("synthetic", "imagefolder", "tokens")
@@ -150,7 +151,7 @@ WORKLOAD_SCHEMA = _obj({
 })
 ENV_SCHEMA = _obj({
     "date": _STR, "hostname": _STR, "command": _STR, "python": _STR, "platform": _STR, "cpu": _STR,
-    "cpu_count": _INT, "cpu_cores": _nullable(_INT), "torch": _STR, "torch_cuda": _nullable(_STR), "cudnn": _nullable(_INT),
+    "cpu_count": _INT, "cpus": _STR, "cpu_cores": _nullable(_INT), "torch": _STR, "torch_cuda": _nullable(_STR), "cudnn": _nullable(_INT),
     "nccl": _nullable(_STR), "torchvision": _nullable(_STR),
     "driver": _nullable(_STR), "cuda_driver": _nullable(_STR), "gpu_model": _nullable(_STR),
     "gpus": _array(_obj({"name": _STR, "uuid": _STR, "pci_bus_id": _STR, "memory_total_bytes": _nullable(_INT)})),

@@ -177,7 +177,7 @@ def _run(name, kind, strategy, cards, world, sps, *, repeat=1, status="ok", reas
 
 def _env() -> dict:
     return {"date": "2026-11-30T00:00:00+00:00", "hostname": "h", "command": "python -m job bench", "python": "3.11",
-            "platform": "Linux", "cpu": "x", "cpu_count": 32, "cpu_cores": 16, "torch": "2.14.1", "torch_cuda": "12.8", "cudnn": 91000,
+            "platform": "Linux", "cpu": "x", "cpu_count": 32, "cpus": "0-31", "cpu_cores": 16, "torch": "2.14.1", "torch_cuda": "12.8", "cudnn": 91000,
             "nccl": "2.27.3", "torchvision": "0.29.1", "driver": "570.1", "cuda_driver": "12.8",
             "gpu_model": "NVIDIA H200", "gpus": [{"name": "NVIDIA H200", "uuid": "GPU-1", "pci_bus_id": "00000000:18:00.0",
                                                    "memory_total_bytes": 150 * 1024**3}],
@@ -494,6 +494,34 @@ def test_physical_cores_count_hyper_threads_once(tmp_path):
     assert physical_cores(tmp_path / "absent") is None
     real = physical_cores()
     assert real is None or 1 <= real <= len(cpus)
+
+
+def test_a_bench_held_to_some_cpus_says_which(tmp_path):
+    """bench.json's cpus: the CPUs the bench may use, in taskset's list format; the version line names them where
+    they are not the whole host (a bench pinned with taskset, a Slurm or container limit), so a result measured
+    on one core does not read as one measured on all of them."""
+    import json
+    import os
+
+    from job.bench.environment import cpu_list, versions
+
+    assert cpu_list([7, 0, 1, 2, 3, 9, 10]) == "0-3,7,9-10"
+    assert cpu_list([3]) == "3"
+    env = {**_env(), "cpus": "0-31"}
+    assert "; 32 CPUs on 16 cores;" in versions(env)
+    assert "; 32 CPUs, this bench on 0-7 (4 cores);" in versions({**env, "cpus": "0-7", "cpu_cores": 4})
+    assert "; 32 CPUs, this bench on 5 (1 core);" in versions({**env, "cpus": "5", "cpu_cores": 1})
+    # The real record, in a process held to one CPU (as `taskset -c N python -m job bench` is).
+    cpu = max(os.sched_getaffinity(0))
+    code = (f"import json, os; os.sched_setaffinity(0, {{{cpu}}}); from job.bench.environment import environment, "
+            "versions; e = environment([]); print(json.dumps([e['cpus'], e['cpu_count'], versions(e)]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    cpus, count, line = json.loads(out.stdout.splitlines()[-1])
+    assert cpus == str(cpu)
+    if count > 1:
+        assert f"this bench on {cpu}" in line
 
 
 def test_a_real_data_row_says_what_data_decode_auto_ended_with():
