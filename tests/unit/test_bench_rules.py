@@ -496,7 +496,7 @@ def test_physical_cores_count_hyper_threads_once(tmp_path):
     assert real is None or 1 <= real <= len(cpus)
 
 
-def test_a_bench_held_to_some_cpus_says_which(tmp_path):
+def test_a_bench_held_to_some_cpus_says_which():
     """bench.json's cpus: the CPUs the bench may use, in taskset's list format; the version line names them where
     they are not the whole host (a bench pinned with taskset, a Slurm or container limit), so a result measured
     on one core does not read as one measured on all of them."""
@@ -515,8 +515,7 @@ def test_a_bench_held_to_some_cpus_says_which(tmp_path):
     cpu = max(os.sched_getaffinity(0))
     code = (f"import json, os; os.sched_setaffinity(0, {{{cpu}}}); from job.bench.environment import environment, "
             "versions; e = environment([]); print(json.dumps([e['cpus'], e['cpu_count'], versions(e)]))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         cwd=ROOT)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     cpus, count, line = json.loads(out.stdout.splitlines()[-1])
     assert cpus == str(cpu)
