@@ -23,6 +23,6 @@ done
 date -u +%T >> $O/host.txt
 run3 compiled 1
 date -u +%T >> $O/host.txt
-mkdir -p $O/loopc; touch $O/loopc/logcost-lm24-eager.txt; O=$O/loopc bash .gpu/loop.sh "lm false" "resnet50 false"
+mkdir -p $O/loopc; touch $O/loopc/logcost-lm24-eager.txt; O=$O/loopc bash docs/results/1xh200-2026-12-03-loop-a36ab3c/loop.sh "lm false" "resnet50 false"
 date -u +%T >> $O/host.txt
 echo done >> $O/host.txt
