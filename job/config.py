@@ -305,6 +305,10 @@ class BenchCfg:
     ["data.decode=gpu data.gpu_share=0.5", "data.decode=gpu"]: rows such as
     `ddp+imagefolder[decode=gpu gpu_share=0.5]`, each compared with the synthetic row and the plain
     imagefolder row, over the same steps and repeats: which way of decoding is fastest on this machine."""
+    auto_settle: bool = True
+    """imagefolder on a GPU: rows with data.decode=auto (and workers) first train the steps its choice of decoder
+    can take (data.decode=auto's trials, a few hundred steps), then bench.warmup and bench.steps: they time the
+    rate a long run sustains. false: their timed steps hold the trials, as a short run's do."""
     tokens: bool = False
     """compare: also run each strategy on a token file generated on disk (data.kind=tokens, memory-mapped,
     <train.run_dir>/bench-tokens), next to the synthetic rows; needs a token workload (lm)."""

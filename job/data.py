@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import logging
+import math
 import signal
 import threading
 import time
@@ -181,7 +182,7 @@ class Data:
         tuner = None
         if self._follows_split(ds):
             tuner = SplitTuner(self._split, first_id=lambda g: start + g * micro_batch,
-                               lookahead=self.cfg.workers * PREFETCH_FACTOR + 4, device=device)
+                               lookahead=tuner_lookahead(self.cfg.workers), device=device)
         return _loader(self.resolved.name, ds, sampler, workers=self.cfg.workers, device=device, channels_last=channels_last,
                        prefetch=prefetch, persistent=True, nice=self.cfg.worker_nice, tuner=tuner)
 
@@ -475,6 +476,12 @@ class Stream:
         """data.decode=auto's share of the JPEGs on the GPU (SplitTuner); None where the stream has no tuner."""
         return None if self.tuner is None else self.tuner.share
 
+    @property
+    def settled_batch(self) -> int | None:
+        """Batches this stream handed out before data.decode=auto's choice held (SplitTuner.settled_batch);
+        None where it has no tuner or is still choosing."""
+        return None if self.tuner is None else self.tuner.settled_batch
+
     def counts(self) -> tuple[int, int]:
         """(samples the workers have collated, samples this stream has handed out) since it started."""
         return int(self.made.sum()), self.taken
@@ -495,11 +502,17 @@ class Stream:
         return total if self.pids else None
 
 
+def tuner_lookahead(workers: int) -> int:
+    """Batches past the one handed out now that `workers` may have started (data.workers x PREFETCH_FACTOR,
+    and a few in the pinning and prefetch threads): where a SplitTuner change takes effect."""
+    return workers * PREFETCH_FACTOR + 4
+
+
 class SplitTuner:
     """data.decode=auto's choice of decoder for JPEGs on a GPU, made by measuring the training stream itself.
 
     The workers decode every JPEG at first. Once the read-ahead the workers filled while the first steps
-    compiled is behind (`lookahead` + 10 batches), a window of WINDOW batches and WINDOW_S seconds at least
+    compiled is behind (`lookahead` + FIRST batches), a window of WINDOW batches and WINDOW_S seconds at least
     (less the trainer's pauses: `exclude`) is timed: the samples a second the loop took, and those the
     workers made; the rate a share sustains is the lower of the two. Where the loop waited for data WAIT of
     the window or more, or took more than the workers made (it was living on the read-ahead), the workers
@@ -516,7 +529,8 @@ class SplitTuner:
        back otherwise.
 
     Each step is one log line. The samples are the same crops either way (the pixels within the two
-    decoders' rounding); a resumed run chooses again."""
+    decoders' rounding); a resumed run chooses again. `settled_batch` says from which batch the choice
+    holds; `longest` bounds how many batches choosing can take."""
 
     WINDOW = 40  # batches a window times, at least
     WINDOW_S = 2.0  # seconds a window lasts, at least (a model of very short steps: enough of them to time)
@@ -524,6 +538,7 @@ class SplitTuner:
     GAIN = 1.05  # JPEGs stay on the GPU only where that sustained this much more than the workers alone
     MIX_STEP = 0.05  # the mix's share is a multiple of this, from MIX_STEP to 1 - MIX_STEP
     SETTLE = 5  # batches of a new share taken before its window starts
+    FIRST = 10  # batches past the read-ahead the workers filled at the start before the first window
     MIN_FREE = 1 << 30  # bytes free on the card to try its decoder (decoded images, nvJPEG's buffers)
 
     def __init__(self, split: GpuSplit, *, first_id, lookahead: int, device: torch.device | None = None,
@@ -533,10 +548,25 @@ class SplitTuner:
         self.free_bytes = free_bytes or self._free_bytes
         self.g = 0  # batches the stream has handed out
         self.share = 0.0  # the share of the JPEGs on the GPU now (the last change's, once the workers reach it)
-        self.start_at = self.lookahead + 10
+        self.start_at = self.lookahead + self.FIRST
         self.window: list | None = None  # [time, made, taken, seconds waited, batches] at its start
         self.rates: dict[float, float] = {}  # samples a second each share tried sustained, in the order tried
         self.done = False
+        self.since = 0  # batches the stream had handed out before the first one of the share now
+
+    @classmethod
+    def longest(cls, lookahead: int, *, step_s: float = float("inf")) -> int:
+        """Batches after which the choice holds at the latest, where no batch takes less than `step_s` seconds
+        (a window lasts WINDOW batches, or WINDOW_S seconds where those are shorter): the first window, two
+        trials and the last change's `lookahead`."""
+        window = max(cls.WINDOW, math.ceil(cls.WINDOW_S / step_s))
+        return lookahead + cls.FIRST + window + 2 * (lookahead + cls.SETTLE + window) + lookahead
+
+    @property
+    def settled_batch(self) -> int | None:
+        """Batches the stream had handed out before the chosen share applied to every later one; None while
+        it is still choosing."""
+        return self.since if self.done else None
 
     @staticmethod
     def what(share: float) -> str:
@@ -609,7 +639,7 @@ class SplitTuner:
         if share != self.share:
             first = self.first_id(self.g + self.lookahead)
             self.split.set(first, share)
-            self.share = share
+            self.share, self.since = share, self.g + self.lookahead
             said += f" from sample {first:,}"
         self.say(f"data.decode=auto: {said} (data.decode=cpu, or data.decode=gpu data.gpu_share=F, decides for good)")
 
@@ -624,7 +654,7 @@ class SplitTuner:
         if not self.split.set(first, share):
             self.done = True
             return
-        self.share = share
+        self.share, self.since = share, self.g + self.lookahead
         self.start_at = self.g + self.lookahead + self.SETTLE
         self.say(f"data.decode=auto: {why}; trying {self.what(share)} from sample {first:,}")
 

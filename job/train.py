@@ -257,6 +257,7 @@ class Trainer:
                 self.rundir.refused()
             raise
         self.batches = _batches(self)
+        self._stream_from = self.step  # the step the training stream started at (a resumed run's)
         self._workers_mark = _workers_cpu(self.batches)  # the log line's cores figure: _workers_cpu's mark
         self.evaluator = Evaluator(self.data, self.resolved, cfg.eval, strategy=self.strategy, device=self.device,
                                    micro_batch=self.micro_batch, channels_last=t.channels_last,
@@ -760,6 +761,8 @@ class Trainer:
         unit = self.workload.unit
         wait, busy, own = self.clock.inputs()
         gpu_share = getattr(self.batches, "gpu_share", None)  # data.decode=auto's choice, at the end
+        settled = getattr(self.batches, "settled_batch", None)  # None: no choice to make, or still choosing
+        settled_step = None if settled is None else self._stream_from + -(-settled // self._train.accum_steps)
         summary_doc = {
             "run_id": self.run_id, "steps": self.step, "strategy": self.cfg.strategy.name,
             "workload": self.cfg.workload.name, "world_size": self.env.world_size,
@@ -768,7 +771,7 @@ class Trainer:
             "peak_window": [self.peaks_from, self.step],  # peaks: steps after peaks_from up to here
             "validation": self.evaluator.last,  # the last evaluation's val_loss, val_accuracy, val_samples
             "data_wait": wait, "data_worker_cores": busy, "process_cores": own,  # rank 0's, over the timed steps
-            "data_gpu_share": gpu_share,
+            "data_gpu_share": gpu_share, "data_auto_settled_step": settled_step,
             "cards": rows, "memory_breakdown": kinds,
         }
         self.rundir.write_text("summary.json", json.dumps(summary_doc, indent=2) + "\n")
@@ -783,7 +786,7 @@ class Trainer:
             # (synthetic samples are resident on the device: no reader to change, whatever the loop's own pace)
             log.info("%s", input_verdict(wait, busy, own, workers=getattr(self.batches, "workers", 0),
                                          cores=usable_cores(), ranks=self.env.world_size,
-                                         gpu_share=gpu_share))
+                                         gpu_share=gpu_share, choosing=gpu_share is not None and settled is None))
 
     def close(self) -> None:
         if self.telemetry is not None:
@@ -936,11 +939,12 @@ class _Clock:
 
 
 def input_verdict(wait: float, busy: float | None, own: float | None, *, workers: int, cores: int,
-                  ranks: int = 1, gpu_share: float | None = None) -> str:
+                  ranks: int = 1, gpu_share: float | None = None, choosing: bool = False) -> str:
     """The run's last line when its loop waited for data: rank 0's `wait` (a share of the timed steps), the
     cores its `workers` kept busy (`busy`) and its own process did (`own`), of the `cores` it may use (every
     rank taken to load the host as rank 0 does), and the share of the JPEGs data.decode=auto moved to the GPU
-    (`gpu_share`): what held the input up, and what to change."""
+    (`gpu_share`; `choosing`: it was still trying shares when the run ended): what held the input up, and
+    what to change."""
     line = f"input: the loop waited for data {wait:.0%} of the timed steps"
     if not workers:
         return line + "; it reads its own data (data.workers=0): set data.workers to read and decode in parallel"
@@ -949,6 +953,11 @@ def input_verdict(wait: float, busy: float | None, own: float | None, *, workers
     who = "its" if ranks == 1 else "rank 0's"
     line += (f"; {who} {workers} worker{'s' if workers != 1 else ''} kept {busy:.1f} cores busy and the training "
              f"process {own:.1f}, of {cores}")
+    if choosing:
+        return line + (f"; data.decode=auto was still choosing where to decode when the run ended (trying "
+                       f"{SplitTuner.what(gpu_share or 0.0)}), so its trials are in these steps: a longer run "
+                       "chooses (within a few hundred steps), and data.decode=cpu or data.decode=gpu decides "
+                       "for good")
     if gpu_share:
         line += f"; data.decode=auto put {SplitTuner.what(gpu_share)}, where it trained faster"
         if gpu_share >= 1:

@@ -11,11 +11,11 @@ from typing import Any
 
 from job.breakdown import KINDS
 
-SCHEMA_ID = "trainjob-bench/11"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
+SCHEMA_ID = "trainjob-bench/12"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
 # 5: comparisons[].paired; 6: runs' trained_samples_per_s and input_samples_per_s (samples_per_s: the lower);
 # 7: runs' input_worker_cores, the environment's cpu_cores (physical cores); 8: settings.imagefolder_variants;
 # 9: runs' input_gpu_share (data.decode=auto's choice); 10: comparisons[].paired_step_ms; 11: the environment's
-# cpus (the CPUs the bench may use)
+# cpus (the CPUs the bench may use); 12: runs' input_auto_settled_step, settings.auto_settle
 # Runs whose numbers are compared across repeats (one table row each).
 COMPARED = ("baseline", "reference", "strategy", "imagefolder", "tokens")
 DATA = ("synthetic", "imagefolder", "tokens")
@@ -71,6 +71,7 @@ RUN_SCHEMA = _obj({
     "input_samples_per_s": _nullable(_NUM),
     "input_worker_cores": _nullable(_NUM),
     "input_gpu_share": _nullable(_NUM),
+    "input_auto_settled_step": _nullable(_INT),
     "imbalance": _nullable(_NUM),
     "scaling_vs_1": _nullable(_NUM),
     "scaling_note": _nullable(_STR),
@@ -169,8 +170,8 @@ RESULT_SCHEMA = {
         "settings": _obj({
             "steps": _INT, "warmup": _INT, "repeats": _INT, "strategies": _array(_STR),
             "workloads": _array(_STR), "baseline": _STR, "cpu_procs": _INT, "overrides": {"type": "object"},
-            "out": _STR, "imagefolder": _BOOL, "imagefolder_variants": _array(_STR), "tokens": _BOOL, "reference": _BOOL,
-            "maxbatch": _obj({"key": _STR, "start": _INT, "steps": _INT, "trials": _INT, "minutes": _NUM, "precision": _NUM}),
+            "out": _STR, "imagefolder": _BOOL, "imagefolder_variants": _array(_STR), "auto_settle": _BOOL, "tokens": _BOOL,
+            "reference": _BOOL, "maxbatch": _obj({"key": _STR, "start": _INT, "steps": _INT, "trials": _INT, "minutes": _NUM, "precision": _NUM}),
         }),
         "tenant": _nullable(_obj({"gb": _NUM, "device": _STR, "pid": _INT})),
         "environment": ENV_SCHEMA,
@@ -193,7 +194,7 @@ def empty_run(name: str, kind: str, strategy: str, *, repeat: int = 1, data: str
             "batch_size": None, "world_size": None, "units": None, "timed_steps": None,
             "samples_per_s": None, "units_per_s": None, "step_s": None, "trainer_samples_per_s": None,
             "trained_samples_per_s": None, "input_samples_per_s": None, "input_worker_cores": None, "input_gpu_share": None,
-            "imbalance": None, "scaling_vs_1": None, "scaling_note": None, "peak_window": None, "window_note": None, "cards": [], "scrapes_ok": None,
+            "input_auto_settled_step": None, "imbalance": None, "scaling_vs_1": None, "scaling_note": None, "peak_window": None, "window_note": None, "cards": [], "scrapes_ok": None,
             "scrapes_failed": None, "params": None}
 
 

@@ -109,16 +109,23 @@ def table(doc: dict, w: dict) -> str:
 
 
 def _auto_choice(runs: list[dict]) -> str:
-    """Where data.decode=auto moved JPEGs to the GPU in a row's runs: what each ended with, counted."""
+    """What data.decode=auto ended with in a row's runs, counted, and whether it had chosen before their timed
+    steps (input_auto_settled_step against the run's timed window) or tried shares in them."""
     from job.data import SplitTuner
 
-    ended = [r.get("input_gpu_share") for r in runs if r.get("input_gpu_share") is not None]
-    if not any(ended):
+    tuned = [r for r in runs if r.get("input_gpu_share") is not None]
+    before = [r for r in tuned if r.get("input_auto_settled_step") is not None and r.get("peak_window")
+              and r["input_auto_settled_step"] <= r["peak_window"][0]]
+    ended = [r["input_gpu_share"] for r in tuned]
+    if not any(ended) and len(before) == len(tuned):  # the workers kept every JPEG throughout the timed steps
         return ""
     counts = {s: ended.count(s) for s in sorted(set(ended))}
-    said = ", ".join(f"{SplitTuner.what(s)} in {n} of {len(runs)}"
-                     for s, n in counts.items())
-    return f"; data.decode=auto ended with {said} (its trial windows are in the timed steps)"
+    said = ", ".join(f"{SplitTuner.what(s)} in {n} of {len(runs)}" for s, n in counts.items())
+    if len(before) == len(tuned):
+        first, last = tuned[0]["peak_window"]
+        return f"; data.decode=auto chose {said}, before the timed steps ({first + 1}-{last})"
+    return (f"; data.decode=auto ended with {said}; its trials are in the timed steps of {len(tuned) - len(before)} "
+            f"of {len(runs)} (bench.auto_settle=true, or a longer bench.warmup, times after them)")
 
 
 def _input_lines(w: dict, unit: str) -> list[str]:

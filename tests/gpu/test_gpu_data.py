@@ -120,6 +120,40 @@ def test_data_decode_auto_moves_jpegs_to_the_card_when_one_worker_cannot_keep_up
     kept = s["data_gpu_share"]
     assert kept is not None and 0 <= kept <= 1
     assert (kept == 0) == ("back to the workers" in lines[-1]), (kept, lines[-1])
+    # the step from which the choice held: after the trials began, within the run (its trials changed the share)
+    assert 0 < s["data_auto_settled_step"] <= 320, s["data_auto_settled_step"]
+
+
+@requires_gpus(1)
+def test_the_bench_times_an_auto_row_after_data_decode_auto_has_chosen(tmp_path):
+    """bench.auto_settle: the imagefolder row with data.decode=auto (one worker, which cannot keep up) trains
+    SplitTuner.longest steps before its warm-up and timed steps; bench.json records the step the choice held
+    from, and the row's line says it chose before the timed steps exactly when it did."""
+    from _bench_helpers import runs_by_name, validate
+
+    from job.bench.compare import AUTO_SHORTEST_STEP_S
+    from job.data import SplitTuner, tuner_lookahead
+
+    out = tmp_path / "b"
+    p = subprocess.run(job_cmd("bench", "bench.workloads=[resnet50]", "workload.num_classes=10", "train.batch_size=32",
+                               "train.amp=bf16", "train.channels_last=true", "bench.strategies=[ddp]",
+                               "bench.baseline=none", "bench.imagefolder=true", "bench.imagefolder_images=200",
+                               "bench.repeats=1", "bench.warmup=10", "bench.steps=20", "data.workers=1",
+                               f"train.run_dir={tmp_path}", f"bench.out={out}"),
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    doc = json.loads((out / "bench.json").read_text())
+    validate(doc, required=False)
+    run = runs_by_name(doc)["ddp+imagefolder"]
+    first = 10 + SplitTuner.longest(tuner_lookahead(1), step_s=AUTO_SHORTEST_STEP_S)
+    assert run["peak_window"] == [first, first + 20] and run["timed_steps"] == 20
+    assert run["input_gpu_share"] is not None
+    settled = run["input_auto_settled_step"]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("  ddp+imagefolder: "))
+    if settled is not None and settled <= first:
+        assert "before the timed steps" in line or "data.decode=auto" not in line, line
+    else:
+        assert "its trials are in the timed steps of 1 of 1" in line, line
 
 
 @requires_gpus(1)

@@ -165,8 +165,8 @@ def _run(name, kind, strategy, cards, world, sps, *, repeat=1, status="ok", reas
          "env": {}, "run_dir": "/x", "log": "/x.log", "wall_s": 30.0, "batch_size": 16, "world_size": world,
          "units": len(cards), "timed_steps": 50, "samples_per_s": sps, "units_per_s": sps * 1024 if sps else None,
          "step_s": 16 / sps if sps else None, "trainer_samples_per_s": sps, "trained_samples_per_s": sps,
-         "input_samples_per_s": None, "input_worker_cores": None, "input_gpu_share": None, "imbalance": None,
-         "scaling_vs_1": None,
+         "input_samples_per_s": None, "input_worker_cores": None, "input_gpu_share": None,
+         "input_auto_settled_step": None, "imbalance": None, "scaling_vs_1": None,
          "scaling_note": None, "peak_window": list(window) if status == "ok" else None, "window_note": None,
          "cards": cards, "scrapes_ok": None, "scrapes_failed": None, "params": None}
     if len(cards) > 1:
@@ -186,7 +186,7 @@ def _env() -> dict:
 
 def _settings(**kw) -> dict:
     return {"steps": 50, "warmup": 10, "repeats": 2, "strategies": ["dp", "ddp", "balanced"], "workloads": ["lm"],
-            "baseline": "ddp", "cpu_procs": 2, "overrides": {}, "out": "/x", "imagefolder": False, "imagefolder_variants": [], "tokens": False,
+            "baseline": "ddp", "cpu_procs": 2, "overrides": {}, "out": "/x", "imagefolder": False, "imagefolder_variants": [], "auto_settle": True, "tokens": False,
             "reference": False,
             "maxbatch": {"key": "train.batch_size", "start": 16, "steps": 3, "trials": 12, "minutes": 30.0,
                          "precision": 0.05}, **kw}
@@ -205,7 +205,7 @@ def _gpu_doc() -> dict:
             _run("balanced", "strategy", "balanced", [], 1, None, repeat=2, status="failed",
                  reason="torch.OutOfMemoryError: CUDA out of memory"),
             _run("1gpu", "baseline", "ddp", [_card(0, 0, 8.6, 9.0, 10.1)], 1, 340.0, repeat=2)]
-    summary = bench.summarize(runs, ["1gpu", "dp", "ddp", "balanced"], window=[10, 60])
+    summary = bench.summarize(runs, ["1gpu", "dp", "ddp", "balanced"])
     bench.summary_scaling(summary, 2)
     w = {"workload": "lm", "unit": "tok", "units_per_sample": 1024, "global_batch": 16, "cards": 2, "runs": runs,
          "summary": summary, "comparisons": bench.comparisons(summary, runs), "telemetry_overhead": None,
@@ -262,7 +262,7 @@ def test_same_window_rule_flags_a_run_whose_peaks_cover_other_steps():
     doc = _gpu_doc()
     w = doc["workloads"][0]
     w["runs"][2]["peak_window"] = [12, 60]  # e.g. a strategy that reset its counters itself, after timing began
-    w["summary"] = bench.summarize(w["runs"], ["1gpu", "dp", "ddp", "balanced"], window=[10, 60])
+    w["summary"] = bench.summarize(w["runs"], ["1gpu", "dp", "ddp", "balanced"])
     validate(doc)
     by = {r["name"]: r for r in w["summary"]}
     assert not by["ddp"]["same_window"] and by["dp"]["same_window"]
@@ -292,7 +292,7 @@ def test_paired_ratios_follow_each_repeat_through_a_drifting_machine():
     runs.append(_run("a", "strategy", "a", [], 1, None, repeat=4, status="failed", reason="x"))
     runs.append(_run("b", "strategy", "b", [], 1, 100.0, repeat=4))  # its partner failed: no pair
     assert bench.paired(runs, "a", "b") == pytest.approx([0.9, 0.9, 0.9])
-    rows = bench.summarize(runs, ["a", "b"], window=[10, 60])
+    rows = bench.summarize(runs, ["a", "b"])
     (c,) = bench.comparisons(rows, runs)
     assert c["verdict"] == "overlapping"
     assert c["paired"] == {"median": pytest.approx(0.9), "min": pytest.approx(0.9), "max": pytest.approx(0.9), "n": 3}
@@ -527,21 +527,55 @@ def test_a_real_data_row_says_what_data_decode_auto_ended_with():
     """bench.json's input_gpu_share (the run's summary data_gpu_share): the real-data line counts each ending."""
     from job.bench.table import _input_lines
 
-    def run(share, repeat):
-        r = _run("ddp+imagefolder", "imagefolder", "ddp", [], 1, 3000.0, repeat=repeat)
-        r.update(data="imagefolder", input_samples_per_s=3000.0, input_worker_cores=6.0, input_gpu_share=share)
+    def run(share, repeat, settled=None):
+        r = _run("ddp+imagefolder", "imagefolder", "ddp", [], 1, 3000.0, repeat=repeat, window=(294, 444))
+        r.update(data="imagefolder", input_samples_per_s=3000.0, input_worker_cores=6.0, input_gpu_share=share,
+                 input_auto_settled_step=settled)
         return r
 
-    w = {"units_per_sample": 1, "runs": [run(1.0, 1), run(1.0, 2), run(0.5, 3)]}
+    w = {"units_per_sample": 1, "runs": [run(1.0, 1), run(1.0, 2), run(0.5, 3, settled=200)]}
     (line,) = _input_lines(w, "img/s")[1:]
     assert line.endswith("; data.decode=auto ended with half of the JPEGs on the GPU in 1 of 3, every JPEG on the "
-                         "GPU in 2 of 3 (its trial windows are in the timed steps)"), line
-    w = {"units_per_sample": 1, "runs": [run(0.7, 1), run(0.65, 2), run(0.7, 3)]}  # the tuner's mix of decoders
-    assert _input_lines(w, "img/s")[1].endswith("; data.decode=auto ended with 65% of the JPEGs on the GPU in 1 of 3, "
-                                                "70% of the JPEGs on the GPU in 2 of 3 (its trial windows are in the "
-                                                "timed steps)")
+                         "GPU in 2 of 3; its trials are in the timed steps of 2 of 3 (bench.auto_settle=true, or a "
+                         "longer bench.warmup, times after them)"), line
+    # chosen before the timed steps in every run (bench.auto_settle): the rate is the chosen decoders'
+    w = {"units_per_sample": 1, "runs": [run(0.7, 1, 250), run(0.65, 2, 294), run(0.7, 3, 180)]}
+    assert _input_lines(w, "img/s")[1].endswith("; data.decode=auto chose 65% of the JPEGs on the GPU in 1 of 3, "
+                                                "70% of the JPEGs on the GPU in 2 of 3, before the timed steps "
+                                                "(295-444)")
+    # chosen at step 295, one step into the timed window: its last change is in the timed steps
+    w = {"units_per_sample": 1, "runs": [run(0.0, 1, 295)]}
+    assert _input_lines(w, "img/s")[1].endswith("; data.decode=auto ended with the workers decoding every JPEG in 1 "
+                                                "of 1; its trials are in the timed steps of 1 of 1 (bench.auto_settle"
+                                                "=true, or a longer bench.warmup, times after them)")
     # Where JPEGs went to the GPU the workers only read those: no rate a busy core from what they handed over
     assert " on 6.0 cores;" in line and "a busy core" not in line
-    w = {"units_per_sample": 1, "runs": [run(0.0, 1), run(None, 2)]}  # stayed with the workers; no tuner
+    w = {"units_per_sample": 1, "runs": [run(0.0, 1, 60), run(None, 2)]}  # stayed with the workers; no tuner
     line = _input_lines(w, "img/s")[1]
     assert "data.decode=auto" not in line and line.endswith(" on 6.0 cores (500 img/s a busy core)"), line
+
+
+def test_imagefolder_rows_with_data_decode_auto_train_its_choice_before_their_timed_steps():
+    """bench.auto_settle: on a GPU, a row whose data.decode is auto (with workers) first trains the longest choice
+    data.decode=auto can take at steps of 25 ms or more; a row that fixes the decoder, a CPU bench, no workers
+    or auto_settle=false time from bench.warmup as before."""
+    from types import SimpleNamespace
+
+    from job.bench.compare import AUTO_SHORTEST_STEP_S, _choosing
+    from job.data import SplitTuner, tuner_lookahead
+
+    def steps(extra, *, cuda=1, auto_settle=True, keys=()):
+        runs = SimpleNamespace(cuda=cuda, settings=SimpleNamespace(auto_settle=auto_settle))
+        return _choosing(runs, load(["workload=resnet50", *keys]), ["data.kind=imagefolder", *extra])
+
+    longest = SplitTuner.longest(tuner_lookahead(15), step_s=AUTO_SHORTEST_STEP_S)
+    assert longest == 15 * 2 + 4 + 10 + 80 + 2 * (34 + 5 + 80) + 34  # windows of 2 s at 25 ms: 80 batches
+    assert steps(["data.workers=15"]) == longest
+    assert steps(["data.workers=15"], keys=["data.decode=auto"]) == longest
+    assert steps(["data.workers=15", "data.decode=cpu"]) == 0  # a variant that fixes the decoder
+    assert steps(["data.workers=15"], keys=["data.decode=gpu"]) == 0  # the user's override
+    assert steps(["data.workers=2"], keys=["data.workers=7"]) == SplitTuner.longest(8, step_s=AUTO_SHORTEST_STEP_S)
+    assert steps([], keys=["data.workers=7"]) == SplitTuner.longest(18, step_s=AUTO_SHORTEST_STEP_S)
+    assert steps(["data.workers=0"]) == 0
+    assert steps(["data.workers=15"], cuda=0) == 0
+    assert steps(["data.workers=15"], auto_settle=False) == 0

@@ -238,6 +238,12 @@ def test_a_run_whose_auto_decoder_split_the_jpegs_says_both_are_the_limit():
     line = input_verdict(0.1, 2.0, 1.2, workers=7, cores=8, gpu_share=0.7)
     assert "; data.decode=auto put 70% of the JPEGs on the GPU, where it trained faster: the workers and the GPU " \
            "decoder together are the limit" in line, line
+    # Still trying shares when the run ended: the trials are in its steps, and what decides for good
+    line = input_verdict(0.3, 1.0, 1.2, workers=7, cores=8, gpu_share=1.0, choosing=True)
+    assert line.endswith("; data.decode=auto was still choosing where to decode when the run ended (trying every "
+                         "JPEG on the GPU), so its trials are in these steps: a longer run chooses (within a few "
+                         "hundred steps), and data.decode=cpu or data.decode=gpu decides for good"), line
+    assert "where it trained faster" not in line
     # The tuner stayed with the workers: the ordinary verdict, with its remedies
     assert input_verdict(0.2, 7.5, 1.2, workers=7, cores=8, gpu_share=0.0) == input_verdict(0.2, 7.5, 1.2, workers=7,
                                                                                              cores=8)

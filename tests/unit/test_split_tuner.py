@@ -130,6 +130,30 @@ def test_where_both_decoders_are_short_the_jpegs_are_shared_in_proportion_to_wha
     assert all((f - 1000) % 256 == 0 for f in firsts) and firsts == sorted(set(firsts))
 
 
+def test_the_batch_from_which_the_choice_holds_is_known_and_bounded():
+    """settled_batch: the batches handed out before the chosen share applied to every later one (the last
+    change's first batch); None while choosing. Three windows of WINDOW batches take SplitTuner.longest."""
+    fake = _Fake(*_two_decoders(2250.0, 5600.0, 6600.0))
+    fake.run(batches=100)
+    assert not fake.tuner.done and fake.tuner.settled_batch is None
+    # Workers, GPU, a mix given back for the GPU: the longest choice, its windows WINDOW batches (a batch 64 ms
+    # or more); a mix kept holds from its own trial on
+    fake = _Fake({0.0: 2000.0, 1.0: 4000.0, 0.65: 3500.0}, {0.0: 0.4, 1.0: 0.2, 0.65: 0.2}).run()
+    last_first = int(fake.split.table[fake.split.rows - 1, 0])
+    assert fake.shares == [0.0, 1.0, 0.65, 1.0]
+    assert fake.tuner.settled_batch == (last_first - 1000) // 256 == SplitTuner.longest(6)
+    fake = _Fake(*_two_decoders(1000.0, 2000.0, 2500.0)).run()
+    assert fake.shares == [0.0, 1.0, 0.65] and fake.tuner.share == 0.65
+    assert fake.tuner.settled_batch == (int(fake.split.table[2, 0]) - 1000) // 256 < SplitTuner.longest(6)
+    # Batches of 39 ms at the fastest: the windows last WINDOW_S, longer than WINDOW batches, within the bound
+    fake = _Fake({0.0: 2000.0, 1.0: 6600.0, 0.75: 6000.0}, {0.0: 0.4, 1.0: 0.2, 0.75: 0.2}).run()
+    assert fake.shares == [0.0, 1.0, 0.75, 1.0]
+    assert SplitTuner.longest(6) < fake.tuner.settled_batch <= SplitTuner.longest(6, step_s=256 / 6600)
+    fake = _Fake(*_two_decoders(2000.0, 9000.0, 4600.0)).run()  # every JPEG on the GPU, kept after one trial
+    assert fake.tuner.settled_batch == (int(fake.split.table[1, 0]) - 1000) // 256 < SplitTuner.longest(6)
+    assert _Fake({0.0: 6000.0}, {0.0: 0.01}).run().tuner.settled_batch == 0  # the workers kept up from the start
+
+
 def test_a_gpu_decoder_slower_than_the_workers_still_takes_its_share():
     """A card whose decoder makes less than the workers: every JPEG there is slower, the mix beats both."""
     fake = _Fake(*_two_decoders(3000.0, 1000.0, 6000.0)).run()
