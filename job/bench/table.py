@@ -47,8 +47,8 @@ def table(doc: dict, w: dict) -> str:
     warm, steps, reps = s["warmup"], s["steps"], s["repeats"]
     lines = [f"== bench {w['workload']}: global batch {w['global_batch']}, {where}, {warm} warm-up + {steps} "
              f"timed steps, {reps} repeat(s) (order rotated each repeat)",
-             f"per-card peaks over the timed steps {warm + 1}-{warm + steps} (each run resets its peak counters "
-             "when timing starts); cells: median (min-max) over the repeats", *_header(doc)]
+             f"per-card peaks over the timed steps {warm + 1}-{warm + steps}{_later(w, warm)} (each run resets its "
+             "peak counters when timing starts); cells: median (min-max) over the repeats", *_header(doc)]
     head = ["run", "strategy", "data", "procs/cards", "peak alloc MB", "peak reserved MB", "NVML used MB",
             "busiest/least", unit, "scaling vs 1", "status"]
     body = []
@@ -106,6 +106,13 @@ def table(doc: dict, w: dict) -> str:
                          f"{o['off_median_step_s'] * 1e3:.2f} ms off -> {o['on_median_step_s'] * 1e3:.2f} ms on "
                          f"= {o['overhead']:+.2%}" + (f" ({o['note']})" if o["note"] else ""))
     return "\n".join(lines)
+
+
+def _later(w: dict, warm: int) -> str:
+    """The header's note on rows timed later than bench.warmup (data.decode=auto's choice first: auto_settle)."""
+    later = sorted({r["peak_window"][0] for r in w["runs"] if r.get("peak_window") and r["peak_window"][0] > warm
+                    and r["kind"] == "imagefolder"})
+    return f" (imagefolder rows with data.decode=auto: after its choice, from step {later[0] + 1})" if later else ""
 
 
 def _auto_choice(runs: list[dict]) -> str:

@@ -543,6 +543,12 @@ def test_a_real_data_row_says_what_data_decode_auto_ended_with():
     assert _input_lines(w, "img/s")[1].endswith("; data.decode=auto chose 65% of the JPEGs on the GPU in 1 of 3, "
                                                 "70% of the JPEGs on the GPU in 2 of 3, before the timed steps "
                                                 "(295-444)")
+    # the table's header names the later window of such rows
+    from job.bench.table import _later
+
+    assert _later({"runs": [*w["runs"], _run("ddp", "strategy", "ddp", [], 1, 1.0)]}, 10) == (
+        " (imagefolder rows with data.decode=auto: after its choice, from step 295)")
+    assert _later({"runs": [_run("ddp", "strategy", "ddp", [], 1, 1.0)]}, 10) == ""
     # chosen at step 295, one step into the timed window: its last change is in the timed steps
     w = {"units_per_sample": 1, "runs": [run(0.0, 1, 295)]}
     assert _input_lines(w, "img/s")[1].endswith("; data.decode=auto ended with the workers decoding every JPEG in 1 "
