@@ -762,6 +762,7 @@ class Trainer:
         wait, busy, own = self.clock.inputs()
         gpu_share = getattr(self.batches, "gpu_share", None)  # data.decode=auto's choice, at the end
         settled = getattr(self.batches, "settled_batch", None)  # None: no choice to make, or still choosing
+        # every step after settled_step took only batches of the choice (a step takes accum_steps batches)
         settled_step = None if settled is None else self._stream_from + -(-settled // self._train.accum_steps)
         summary_doc = {
             "run_id": self.run_id, "steps": self.step, "strategy": self.cfg.strategy.name,

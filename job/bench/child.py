@@ -297,7 +297,7 @@ class Runs:
             "trained_samples_per_s": trained, "input_samples_per_s": made,
             "input_worker_cores": input_cores(records, warmup=warmup, total=total),
             "input_gpu_share": summary.get("data_gpu_share"),  # data.decode=auto's choice (rank 0's), at the end
-            "input_auto_settled_step": summary.get("data_auto_settled_step"),  # from which step it held
+            "input_auto_settled_step": summary.get("data_auto_settled_step"),  # every later step trained with it
             "imbalance": summary.get("imbalance"), "cards": cards, "peak_window": window,
             "params": summary.get("params"),
         })

@@ -120,7 +120,7 @@ def test_data_decode_auto_moves_jpegs_to_the_card_when_one_worker_cannot_keep_up
     kept = s["data_gpu_share"]
     assert kept is not None and 0 <= kept <= 1
     assert (kept == 0) == ("back to the workers" in lines[-1]), (kept, lines[-1])
-    # the step from which the choice held: after the trials began, within the run (its trials changed the share)
+    # every step after this one trained with the choice: after the trials began, within the run (its trials changed the share)
     assert 0 < s["data_auto_settled_step"] <= 320, s["data_auto_settled_step"]
 
 
