@@ -527,11 +527,6 @@ class SplitTuner:
     3. The mix is kept where it sustained GAIN more than the workers and at least as much as the fallback:
        every JPEG on the GPU where that sustained GAIN more than the workers, else the workers, which come
        back otherwise.
-    4. A mix kept where the workers were not its limit (it sustained less than they make at its share) is one
-       where the card is: each JPEG decoded there takes time from the model's step (on an H200, ~31 µs of
-       compiled ResNet-50's ~151 µs an image). The two rates with JPEGs on the GPU fit that cost (`_fit`);
-       where the smallest share at which the workers keep up (rounded up to MIX_STEP) is below the mix, it
-       is tried, and kept where it sustained at least as much as the mix, which comes back otherwise.
 
     Each step is one log line. The samples are the same crops either way (the pixels within the two
     decoders' rounding); a resumed run chooses again. `settled_batch` says from which batch the choice
@@ -562,10 +557,10 @@ class SplitTuner:
     @classmethod
     def longest(cls, lookahead: int, *, step_s: float = float("inf")) -> int:
         """Batches after which the choice holds at the latest, where no batch takes less than `step_s` seconds
-        (a window lasts WINDOW batches, or WINDOW_S seconds where those are shorter): the first window, three
+        (a window lasts WINDOW batches, or WINDOW_S seconds where those are shorter): the first window, two
         trials and the last change's `lookahead`."""
         window = max(cls.WINDOW, math.ceil(cls.WINDOW_S / step_s))
-        return lookahead + cls.FIRST + window + 3 * (lookahead + cls.SETTLE + window) + lookahead
+        return lookahead + cls.FIRST + window + 2 * (lookahead + cls.SETTLE + window) + lookahead
 
     @property
     def settled_batch(self) -> int | None:
@@ -633,38 +628,10 @@ class SplitTuner:
             mix = round(min(max(mix, self.MIX_STEP), 1 - self.MIX_STEP), 6)
             return self._try(mix, f"{versus}, and the loop still waited for data {wait:.0%}; together they make "
                                   f"{workers + rate:,.0f}")
-        mix = next(s for s in self.rates if 0 < s < 1)  # the first mix tried
-        if share != mix:  # the smallest share at which the workers keep up, against the mix
-            versus = f"{sustained} against {self.rates[mix]:,.0f} with {self.what(mix)}"
-            return self._end(share if rate >= self.rates[mix] else mix,
-                             f"{versus}: " + ("keeping it" if rate >= self.rates[mix] else f"back to {self.what(mix)}"))
         versus = f"{sustained} against {self.rates[fallback]:,.0f} with {self.what(fallback)}"
         if rate >= self.rates[fallback] and rate >= workers * self.GAIN:
-            fit = self._fit(share, rate)
-            if fit is not None:
-                cost, least = fit
-                return self._try(least, f"{versus}; each JPEG on the GPU took {cost * 1e6:,.0f} µs of the step, so "
-                                        f"the workers keep up with fewer there")
             return self._end(share, f"{versus}: keeping it")
         self._end(fallback, f"{versus}: back to {self.what(fallback)}")
-
-    def _fit(self, share: float, rate: float) -> tuple[float, float] | None:
-        """(seconds each JPEG decoded on the GPU adds to the step, the smallest share at which the workers keep
-        up) where a share below the mix `share` (which sustained `rate`) should train faster; else None.
-
-        The model: at share s the card takes t + c s seconds a sample (t the model's, c the decoder's), and the
-        workers make W / (1 - s) samples a second; the rate sustained is the lower of the two. Every JPEG on
-        the GPU gave 1 / (t + c), the mix 1 / (t + c s): two rates, two unknowns. The mix is not the workers'
-        limit where it sustained less than 0.97 W / (1 - s); the shares where the workers keep up and the card
-        is left more of its time start where W / (1 - s) = 1 / (t + c s), at s = (1 - W t) / (1 + W c)."""
-        workers, gpu = self.rates[0.0], self.rates.get(1.0, 0.0)
-        if gpu <= 0 or rate >= 0.97 * workers / (1 - share):
-            return None
-        cost = max((1 / gpu - 1 / rate) / (1 - share), 0.0)
-        model = 1 / rate - cost * share
-        least = (1 - workers * model) / (1 + workers * cost)
-        least = round(min(max(math.ceil(least / self.MIX_STEP - 1e-6) * self.MIX_STEP, self.MIX_STEP), 1.0), 6)
-        return (cost, least) if least < share else None
 
     def _end(self, share: float, said: str) -> None:
         """The choice made: `share`, from the next batch the workers have not started where it is not the one now."""
@@ -677,7 +644,7 @@ class SplitTuner:
         self.say(f"data.decode=auto: {said} (data.decode=cpu, or data.decode=gpu data.gpu_share=F, decides for good)")
 
     def _try(self, share: float, why: str) -> None:
-        free = self.free_bytes() if share > self.share else None  # fewer JPEGs on the card: no room needed
+        free = self.free_bytes()
         if free is not None and free < self.MIN_FREE:
             self.done = True
             self.say(f"data.decode=auto: {why}; the GPU decoder is not tried: {free / 2**20:,.0f} MB free on "
