@@ -11,7 +11,8 @@ The store is used only here, on the error path, with a short timeout; the traini
 
 `JOB_FAULT=rank:step:kind[,...]` is a test hook (off unless set): during step `step` (1-based), rank `rank`
 raises (`raise`), runs out of memory (`oom`: raises torch.OutOfMemoryError), kills itself (`kill`: SIGKILL),
-stops itself (`stop`: SIGSTOP, a hung rank) or turns its loss into NaN (`nan`). tests/e2e/test_failure.py uses it.
+stops itself (`stop`: SIGSTOP, a hung rank), turns its loss into NaN (`nan`) or sleeps SLOW_STEP_S before the
+step's work (`slow`: a step still running when a signal lands). tests/e2e/test_failure.py uses it.
 """
 
 from __future__ import annotations
@@ -430,7 +431,8 @@ class Fault:
     kind: str
 
 
-KINDS = ("raise", "oom", "kill", "stop", "nan")
+KINDS = ("raise", "oom", "kill", "stop", "nan", "slow")
+SLOW_STEP_S = 30.0  # how long a `slow` fault's step sleeps
 
 
 def faults(environ=os.environ) -> list[Fault]:
@@ -465,4 +467,6 @@ def inject(plan: list[Fault], *, rank: int, step: int) -> bool:
             os.kill(os.getpid(), signal.SIGSTOP)
         if f.kind == "nan":
             nan = True
+        if f.kind == "slow":
+            time.sleep(SLOW_STEP_S)  # a signal's handler still runs in it
     return nan
