@@ -297,8 +297,13 @@ class BenchCfg:
     workers, pinned memory, data.prefetch), next to the synthetic rows; needs an image workload."""
     imagefolder_images: int = 5000
     """imagefolder: JPEG files to generate (ImageNet-like: 500 x 333-375 px, about 115 kB, 10 classes)."""
+    imagefolder_short_side: int = 0
+    """imagefolder: 0: the files are ImageNet-like (above); N (64 to 2048): each is that image resized to a
+    short side of N px (bicubic, the same quality), as a folder resized once before training: how much
+    smaller files raise the rate where the workers are short of cores."""
     imagefolder_dir: str = ""
-    """imagefolder: where the files are generated and reused (empty: <train.run_dir>/bench-images)."""
+    """imagefolder: where the files are generated and reused (empty: <train.run_dir>/bench-images, or
+    bench-images-s<N> with bench.imagefolder_short_side=N)."""
     imagefolder_variants: list[str] = field(default_factory=list)
     """imagefolder: more rows of each strategy on the same files, each with its own data settings (one string
     of space-separated data.KEY=VALUE, KEY one of decode, gpu_share, workers, worker_nice, prefetch), e.g.

@@ -230,7 +230,8 @@ def bench_workload(bench: Runs, workload: str) -> dict[str, Any]:
         plan.append((s, "strategy", s, [], {}))
     images = tokens = None
     if bench.settings.imagefolder and "imagefolder" in definition.kinds():
-        images = image_folder(bench.images_dir, bench.settings.imagefolder_images, seed=int(ref_cfg.train.seed))
+        images = image_folder(bench.images_dir, bench.settings.imagefolder_images, seed=int(ref_cfg.train.seed),
+                              short_side=int(bench.settings.imagefolder_short_side))
         for s in bench.settings.strategies:
             extra = _file_args(bench, s, "imagefolder", images["path"])
             plan.append((f"{s}+imagefolder", "imagefolder", s, extra, {}, _choosing(bench, ref_cfg, extra)))

@@ -1,4 +1,4 @@
-"""`python -m job.bench.decoders [--images N] [--batch B] [--size S] [--dir D] [--procs P,...]`: how fast each
+"""`python -m job.bench.decoders [--images N] [--batch B] [--size S] [--dir D] [--short-side N] [--procs P,...]`: how fast each
 image decoder turns this machine's JPEG files into training samples, to choose data.decode and data.workers by
 measurement.
 
@@ -133,15 +133,18 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from torchvision import transforms
 
-    from job.bench.imagefolder import image_folder
+    from job.bench.imagefolder import SHORT_SIDES, image_folder, images_dir_name
     from job.datasets import MEAN, STD, EncodedBatch, ImageFolder, SampleIndex, load_image
 
     p = argparse.ArgumentParser(prog="python -m job.bench.decoders", description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=512)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--size", type=int, default=224)
-    p.add_argument("--dir", default="runs/bench-images")
+    p.add_argument("--dir", default="", help="where the files are generated and reused (default: runs/bench-images, "
+                                             "or runs/bench-images-s<N> with --short-side N)")
     p.add_argument("--files", type=int, default=5000, help="JPEG files generated in --dir (bench.imagefolder's)")
+    p.add_argument("--short-side", type=int, default=0,
+                   help="N: the files resized to a short side of N px (bench.imagefolder_short_side's); 0: ImageNet-like")
     p.add_argument("--procs", default="", help="comma-separated process counts to time `cpu` in at once, e.g. 8,15")
     a = p.parse_args(argv)
     try:
@@ -150,7 +153,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         p.error(f"--procs {a.procs}: give process counts of 1 or more, comma-separated (e.g. --procs 8,15)")
-    folder = image_folder(Path(a.dir), a.files)
+    if a.short_side and not SHORT_SIDES[0] <= a.short_side <= SHORT_SIDES[1]:
+        p.error(f"--short-side {a.short_side}: give 0 (ImageNet-like files) or a side from {SHORT_SIDES[0]} to "
+                f"{SHORT_SIDES[1]} px")
+    folder = image_folder(Path(a.dir or Path("runs") / images_dir_name(a.short_side)),
+                          a.files, short_side=a.short_side)
     torch.set_num_threads(1)  # one worker's view: rates are per process
     ds = {d: ImageFolder(folder["path"], image_size=a.size, num_classes=10, augment=True, decode=d)
           for d in ("cpu", "gpu")}
@@ -182,8 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(("gpu", f"nvJPEG batches of {a.batch} + crops on {torch.cuda.get_device_name(0)}", _rate(gpu, n)))
     together = [(k, *_together(cpu, n, k)) for k in procs]
     handover = {d: _handover_ms(ds[d], ids, a.batch) for d in ("cpu", "gpu")}
+    side = f", a short side of {a.short_side} px" if a.short_side else ""
     print(f"decoders: {n} of {folder['images']} generated JPEG files ({folder['bytes'] / folder['images'] / 1e3:.0f} kB "
-          f"on average) -> {a.size}x{a.size} training samples; img/s, median (min-max) of 3")
+          f"on average{side}) -> {a.size}x{a.size} training samples; img/s, median (min-max) of 3")
     for name, what, (med, lo, hi) in rows:
         per = "per process" if name != "gpu" else "the card"
         print(f"  {name:<4} {med:9,.0f} ({lo:,.0f}-{hi:,.0f}) img/s {per:<11}  {what}")

@@ -14,16 +14,24 @@ from typing import Any
 
 log = logging.getLogger("job")
 IMAGE_CLASSES = 10
+SHORT_SIDES = (64, 2048)  # bench.imagefolder_short_side's range, besides 0 (the ImageNet-like files)
 
 
-def _make_images(args: tuple[str, list[tuple[int, int]], int]) -> int:
+def images_dir_name(short_side: int) -> str:
+    """The generated files' folder under train.run_dir: bench-images, or bench-images-s<N> for files of a short
+    side of N px (bench.imagefolder_short_side), so that each kind keeps its own."""
+    return f"bench-images-s{int(short_side)}" if short_side else "bench-images"
+
+
+def _make_images(args: tuple[str, list[tuple[int, int]], int, int]) -> int:
     """Write JPEGs [(index, class)] under root: smooth random colour fields with grain, ImageNet's typical
     500 x 333-375 (one in four portrait), quality 95, so that their size (about 115 kB) and decode cost are
-    like ImageNet's. Returns the bytes written."""
+    like ImageNet's; with `short_side`, each such image resized (bicubic) to that short side before it is
+    saved, as a folder resized once. Returns the bytes written."""
     import numpy as np
     from PIL import Image
 
-    root, items, seed = args
+    root, items, seed, short_side = args
     total = 0
     for i, cls in items:
         rng = np.random.default_rng(seed * 1_000_003 + i)
@@ -34,23 +42,29 @@ def _make_images(args: tuple[str, list[tuple[int, int]], int]) -> int:
         img = np.asarray(Image.fromarray(small).resize((w, h), Image.BICUBIC), dtype=np.int16)
         img = img + rng.normal(0, 12, size=(h, w, 3)).astype(np.int16)
         path = Path(root) / f"class_{cls:02d}" / f"img_{i:06d}.jpg"
-        Image.fromarray(np.clip(img, 0, 255).astype(np.uint8)).save(path, "JPEG", quality=95)
+        image = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
+        if short_side:
+            scale = short_side / min(w, h)
+            image = image.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BICUBIC)
+        image.save(path, "JPEG", quality=95)
         total += path.stat().st_size
     return total
 
 
-def image_folder(root: Path, images: int, *, seed: int = 0) -> dict[str, Any]:
-    """An ImageFolder root of `images` generated JPEGs in IMAGE_CLASSES classes, reused when its
-    MANIFEST.json says it holds the same; returns the manifest (path, images, classes, bytes, generated_s)."""
+def image_folder(root: Path, images: int, *, seed: int = 0, short_side: int = 0) -> dict[str, Any]:
+    """An ImageFolder root of `images` generated JPEGs in IMAGE_CLASSES classes (resized to `short_side` px
+    where it is not 0), reused when its MANIFEST.json says it holds the same; returns the manifest (path,
+    images, classes, short_side, bytes, generated_s)."""
     manifest = root / "MANIFEST.json"
     want = {"images": images, "classes": IMAGE_CLASSES, "seed": seed, "format": 2}
+    resized = {"short_side": short_side} if short_side else {}  # absent: the ImageNet-like files' manifests stay valid
     if manifest.is_file():
         with contextlib.suppress(OSError, ValueError):
             doc = json.loads(manifest.read_text())
-            if {k: doc.get(k) for k in want} == want:
+            if {k: doc.get(k) for k in want} == want and doc.get("short_side", 0) == short_side:
                 log.info("bench: reusing %d generated JPEG files in %s", images, root)
-                return {"path": str(root), "images": images, "classes": IMAGE_CLASSES, "bytes": int(doc["bytes"]),
-                        "generated_s": None}
+                return {"path": str(root), "images": images, "classes": IMAGE_CLASSES, "short_side": short_side,
+                        "bytes": int(doc["bytes"]), "generated_s": None}
     shutil.rmtree(root, ignore_errors=True)
     for c in range(IMAGE_CLASSES):
         (root / f"class_{c:02d}").mkdir(parents=True, exist_ok=True)
@@ -58,7 +72,7 @@ def image_folder(root: Path, images: int, *, seed: int = 0) -> dict[str, Any]:
     t = time.monotonic()
     items = [(i, i % IMAGE_CLASSES) for i in range(images)]
     procs = max(1, min(os.cpu_count() or 1, 16, images // 100))
-    chunks = [(str(root), items[j::procs], seed) for j in range(procs)]
+    chunks = [(str(root), items[j::procs], seed, short_side) for j in range(procs)]
     if procs == 1:
         total = _make_images(chunks[0])
     else:
@@ -67,11 +81,12 @@ def image_folder(root: Path, images: int, *, seed: int = 0) -> dict[str, Any]:
         with ProcessPoolExecutor(procs) as pool:
             total = sum(pool.map(_make_images, chunks))
     took = round(time.monotonic() - t, 2)
-    doc = {**want, "bytes": total, "generated_s": took}
+    doc = {**want, **resized, "bytes": total, "generated_s": took}
     tmp = manifest.with_suffix(".tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     tmp.replace(manifest)  # written last: a half-generated folder is regenerated next time
-    return {"path": str(root), "images": images, "classes": IMAGE_CLASSES, "bytes": total, "generated_s": took}
+    return {"path": str(root), "images": images, "classes": IMAGE_CLASSES, "short_side": short_side, "bytes": total,
+            "generated_s": took}
 
 
 def token_file(root: Path, *, tokens: int, vocab: int, seed: int = 0) -> dict[str, Any]:

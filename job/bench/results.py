@@ -11,11 +11,12 @@ from typing import Any
 
 from job.breakdown import KINDS
 
-SCHEMA_ID = "trainjob-bench/12"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
+SCHEMA_ID = "trainjob-bench/13"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
 # 5: comparisons[].paired; 6: runs' trained_samples_per_s and input_samples_per_s (samples_per_s: the lower);
 # 7: runs' input_worker_cores, the environment's cpu_cores (physical cores); 8: settings.imagefolder_variants;
 # 9: runs' input_gpu_share (data.decode=auto's choice); 10: comparisons[].paired_step_ms; 11: the environment's
-# cpus (the CPUs the bench may use); 12: runs' input_auto_settled_step, settings.auto_settle
+# cpus (the CPUs the bench may use); 12: runs' input_auto_settled_step, settings.auto_settle; 13:
+# settings.imagefolder_short_side, the imagefolder's short_side
 # Runs whose numbers are compared across repeats (one table row each).
 COMPARED = ("baseline", "reference", "strategy", "imagefolder", "tokens")
 DATA = ("synthetic", "imagefolder", "tokens")
@@ -143,8 +144,8 @@ WORKLOAD_SCHEMA = _obj({
     "summary": _array(SUMMARY_SCHEMA),
     "comparisons": _array(COMPARISON_SCHEMA),
     "telemetry_overhead": _nullable(OVERHEAD_SCHEMA),
-    "imagefolder": _nullable(_obj({"path": _STR, "images": _INT, "classes": _INT, "bytes": _INT,
-                                   "generated_s": _nullable(_NUM)})),
+    "imagefolder": _nullable(_obj({"path": _STR, "images": _INT, "classes": _INT, "short_side": _INT,
+                                   "bytes": _INT, "generated_s": _nullable(_NUM)})),
     "tokens": _nullable(_obj({"path": _STR, "tokens": _INT, "dtype": _STR, "bytes": _INT,
                               "generated_s": _nullable(_NUM)})),
     "maxbatch": _nullable(_array(MAXBATCH_SCHEMA)),
@@ -170,7 +171,8 @@ RESULT_SCHEMA = {
         "settings": _obj({
             "steps": _INT, "warmup": _INT, "repeats": _INT, "strategies": _array(_STR),
             "workloads": _array(_STR), "baseline": _STR, "cpu_procs": _INT, "overrides": {"type": "object"},
-            "out": _STR, "imagefolder": _BOOL, "imagefolder_variants": _array(_STR), "auto_settle": _BOOL, "tokens": _BOOL,
+            "out": _STR, "imagefolder": _BOOL, "imagefolder_variants": _array(_STR), "imagefolder_short_side": _INT,
+            "auto_settle": _BOOL, "tokens": _BOOL,
             "reference": _BOOL, "maxbatch": _obj({"key": _STR, "start": _INT, "steps": _INT, "trials": _INT, "minutes": _NUM, "precision": _NUM}),
         }),
         "tenant": _nullable(_obj({"gb": _NUM, "device": _STR, "pid": _INT})),

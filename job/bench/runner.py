@@ -21,6 +21,7 @@ from job.bench.chart import write_chart
 from job.bench.child import Runs
 from job.bench.compare import bench_workload
 from job.bench.environment import environment
+from job.bench.imagefolder import images_dir_name
 from job.bench.maxbatch import maxbatch_workload
 from job.bench.process import GROUP_VARS
 from job.bench.profiling import profile_workload
@@ -73,7 +74,8 @@ class Bench:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         self.out = Path(self.settings.out or Path(cfg.train.run_dir) / f"bench-{stamp}")
         self.runs = Runs(self.settings, cuda=self.cuda, cards=self.cards, overrides=self.overrides, out=self.out,
-                         images_dir=Path(self.settings.imagefolder_dir or Path(cfg.train.run_dir) / "bench-images"),
+                         images_dir=Path(self.settings.imagefolder_dir
+                                         or Path(cfg.train.run_dir) / images_dir_name(self.settings.imagefolder_short_side)),
                          tokens_dir=Path(cfg.train.run_dir) / "bench-tokens")
         self.tenant: Tenant | None = None
 
@@ -143,6 +145,7 @@ class Bench:
                          "workloads": self.workloads, "baseline": b.baseline, "cpu_procs": b.cpu_procs,
                          "overrides": nest(self.overrides), "out": str(self.out), "imagefolder": bool(b.imagefolder),
                          "imagefolder_variants": [str(v) for v in b.imagefolder_variants],
+                         "imagefolder_short_side": int(b.imagefolder_short_side),
                          "auto_settle": bool(b.auto_settle), "tokens": bool(b.tokens), "reference": bool(b.reference),
                          "maxbatch": {"key": b.maxbatch_key, "start": b.maxbatch_start, "steps": b.maxbatch_steps,
                                       "trials": b.maxbatch_trials, "minutes": float(b.maxbatch_minutes),

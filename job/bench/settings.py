@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from job import config as config_mod
-from job.bench.imagefolder import IMAGE_CLASSES
+from job.bench.imagefolder import IMAGE_CLASSES, SHORT_SIDES
 from job.errors import UsageError
 
 # Keys the benchmark sets on every run; the user's values for them are not passed on.
@@ -146,6 +146,9 @@ def check_settings(b) -> None:
     if b.imagefolder_images < IMAGE_CLASSES:
         raise UsageError(f"bench.imagefolder_images={b.imagefolder_images} must be at least {IMAGE_CLASSES} "
                          "(one per class)")
+    if b.imagefolder_short_side and not SHORT_SIDES[0] <= b.imagefolder_short_side <= SHORT_SIDES[1]:
+        raise UsageError(f"bench.imagefolder_short_side={b.imagefolder_short_side} must be 0 (ImageNet-like files) "
+                         f"or a side from {SHORT_SIDES[0]} to {SHORT_SIDES[1]} px")
     if b.imagefolder_variants and not b.imagefolder:
         raise UsageError("bench.imagefolder_variants adds rows to bench.imagefolder's: set bench.imagefolder=true")
     variants = [" ".join(variant_args(v)) for v in b.imagefolder_variants]

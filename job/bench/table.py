@@ -90,8 +90,9 @@ def table(doc: dict, w: dict) -> str:
     lines += _input_lines(w, unit)
     if w.get("imagefolder"):
         i = w["imagefolder"]
+        side = f", resized to a short side of {i['short_side']} px" if i.get("short_side") else ""
         lines.append(f"imagefolder: {i['images']} generated JPEG files ({i['bytes'] / i['images'] / 1e3:.0f} kB "
-                     f"each on average, {i['classes']} classes) in {i['path']}")
+                     f"each on average{side}, {i['classes']} classes) in {i['path']}")
     if w.get("tokens"):
         k = w["tokens"]
         lines.append(f"tokens: a generated file of {k['tokens']:,} random {k['dtype']} token ids "

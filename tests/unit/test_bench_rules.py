@@ -6,6 +6,7 @@ document (there is no GPU here) checks the per-card columns and the chart offlin
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -58,6 +59,8 @@ from job.errors import UsageError
     (["bench.imagefolder=true", 'bench.imagefolder_variants=["data.workers=1", "data.workers=1"]'],
      "bench.imagefolder_variants lists the same settings twice"),
     (["bench.imagefolder=true", 'bench.imagefolder_variants=[" "]'], "bench.imagefolder_variants has an empty entry"),
+    (["bench.imagefolder=true", "bench.imagefolder_short_side=32"],
+     "bench.imagefolder_short_side=32 must be 0 (ImageNet-like files) or a side from 64 to 2048 px"),
     (["strategies=[balanced-graphs]", "train.device=cpu"], "no strategy in bench.strategies can run with these "
      "settings (balanced-graphs: strategy.cuda_graphs=true needs CUDA cards, and train.device=cpu"),
     (["bench.mode=maxbatch", "bench.maxbatch_key=train.lr"],
@@ -186,7 +189,7 @@ def _env() -> dict:
 
 def _settings(**kw) -> dict:
     return {"steps": 50, "warmup": 10, "repeats": 2, "strategies": ["dp", "ddp", "balanced"], "workloads": ["lm"],
-            "baseline": "ddp", "cpu_procs": 2, "overrides": {}, "out": "/x", "imagefolder": False, "imagefolder_variants": [], "auto_settle": True, "tokens": False,
+            "baseline": "ddp", "cpu_procs": 2, "overrides": {}, "out": "/x", "imagefolder": False, "imagefolder_variants": [], "imagefolder_short_side": 0, "auto_settle": True, "tokens": False,
             "reference": False,
             "maxbatch": {"key": "train.batch_size", "start": 16, "steps": 3, "trials": 12, "minutes": 30.0,
                          "precision": 0.05}, **kw}
@@ -213,6 +216,18 @@ def _gpu_doc() -> dict:
     return {"schema": bench.SCHEMA_ID, "mode": "compare", "device": "cuda", "cards": 2, "settings": _settings(),
             "tenant": {"gb": 80.0, "device": "cuda:0", "pid": 1234}, "environment": _env(), "workloads": [w],
             "chart": None, "failed": 2}
+
+
+@pytest.mark.parametrize("side, said", [(0, "(108 kB each on average, 10 classes)"),
+                                        (256, "(31 kB each on average, resized to a short side of 256 px, 10 classes)")])
+def test_the_table_says_what_the_generated_image_files_are(side, said):
+    doc = _gpu_doc()
+    w = doc["workloads"][0]
+    w["imagefolder"] = {"path": "/r/bench-images", "images": 5000, "classes": 10, "short_side": side,
+                        "bytes": 5000 * (31_000 if side else 108_000), "generated_s": None}
+    doc["settings"]["imagefolder_short_side"] = side
+    validate(doc)
+    assert f"\nimagefolder: 5000 generated JPEG files {said} in /r/bench-images\n" in bench.table(doc, w) + "\n"
 
 
 def test_gpu_shaped_results_table_and_chart(tmp_path):
@@ -450,6 +465,29 @@ def test_image_folder_is_generated_once_and_reused(tmp_path):
     assert len(list((tmp_path / "img").rglob("*.jpg"))) == 12
     assert bench.image_folder(tmp_path / "img", 20, seed=3)["generated_s"] is not None  # other settings: remade
     assert len(list((tmp_path / "img").rglob("*.jpg"))) == 20
+
+
+def test_smaller_image_files_are_the_same_images_resized_in_a_folder_of_their_own(tmp_path):
+    """bench.imagefolder_short_side=N: each generated image resized to a short side of N px (the same quality),
+    in bench-images-s<N>, its manifest saying so: the ImageNet-like folder and its manifest stay as they were."""
+    from PIL import Image
+
+    from job.bench.imagefolder import images_dir_name
+
+    assert (images_dir_name(0), images_dir_name(128)) == ("bench-images", "bench-images-s128")
+    full = bench.image_folder(tmp_path / images_dir_name(0), 12, seed=3)
+    small = bench.image_folder(tmp_path / images_dir_name(128), 12, seed=3, short_side=128)
+    assert (full["short_side"], small["short_side"]) == (0, 128) and small["generated_s"] is not None
+    for f, g in zip(sorted((tmp_path / "bench-images").rglob("*.jpg")), sorted((tmp_path / "bench-images-s128").rglob("*.jpg"))):
+        with Image.open(f) as a, Image.open(g) as b:
+            assert min(b.size) == 128 and abs(b.size[0] / b.size[1] - a.size[0] / a.size[1]) < 0.02, (a.size, b.size)
+            assert (b.size[0] > b.size[1]) == (a.size[0] > a.size[1])  # a portrait one stays portrait
+    assert small["bytes"] < full["bytes"] / 3
+    assert json.loads((tmp_path / "bench-images-s128" / "MANIFEST.json").read_text())["short_side"] == 128
+    assert "short_side" not in json.loads((tmp_path / "bench-images" / "MANIFEST.json").read_text())
+    assert bench.image_folder(tmp_path / "bench-images-s128", 12, seed=3, short_side=128)["generated_s"] is None
+    # a folder of the other kind is not taken for this one: it is generated again
+    assert bench.image_folder(tmp_path / "bench-images-s128", 12, seed=3)["generated_s"] is not None
 
 
 def test_code_fingerprint_names_the_code_and_git_commit_names_a_copy(tmp_path, monkeypatch):

@@ -356,6 +356,13 @@ def test_the_decoders_bench_refuses_a_process_count_that_is_not_one(tmp_path):
     assert p.returncode == 2 and "--procs 8,0" in last and "--procs 8,15" in last, p.stderr
 
 
+def test_the_decoders_bench_refuses_an_absurd_short_side(tmp_path):
+    p = subprocess.run([sys.executable, "-m", "job.bench.decoders", "--dir", str(tmp_path), "--short-side", "9"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and "--short-side 9: give 0 (ImageNet-like files) or a side from 64 to 2048 px" in last, p.stderr
+
+
 def test_the_decoders_bench_times_each_cpu_decoder_and_the_hand_over(tmp_path, capsys):
     """python -m job.bench.decoders on a CPU machine: the two CPU decoders' rates, the cpu decoder's in 2
     processes at once, and the training process's CPU per batch handed over by a worker, for decoded pixels
