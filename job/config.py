@@ -299,8 +299,8 @@ class BenchCfg:
     """imagefolder: JPEG files to generate (ImageNet-like: 500 x 333-375 px, about 115 kB, 10 classes)."""
     imagefolder_short_side: int = 0
     """imagefolder: 0: the files are ImageNet-like (above); N (64 to 2048): each is that image resized to a
-    short side of N px (bicubic, the same quality), as a folder resized once before training: how much
-    smaller files raise the rate where the workers are short of cores."""
+    short side of N px (bicubic, the same quality), as a folder resized once before training (python -m job.shrink
+    makes such a copy of yours): how much smaller files raise the rate where the workers are short of cores."""
     imagefolder_dir: str = ""
     """imagefolder: where the files are generated and reused (empty: <train.run_dir>/bench-images, or
     bench-images-s<N> with bench.imagefolder_short_side=N)."""

@@ -66,6 +66,16 @@ def target_size(w: int, h: int, short_side: int) -> tuple[int, int]:
     return max(1, round(w * scale)), max(1, round(h * scale))
 
 
+def write_image(image, path: Path, fmt: str, **options) -> int:
+    """Save a PIL image to `path` in `fmt`; returns the bytes written. Encoded in memory and written by Python,
+    which raises on a short write: Pillow saving to a path writes to the file descriptor itself and ignores a
+    short write (a full disk, a file size limit), leaving a truncated image and no error."""
+    buf = io.BytesIO()
+    image.save(buf, fmt, **options)
+    Path(path).write_bytes(buf.getbuffer())
+    return buf.getbuffer().nbytes
+
+
 def shrink_one(src: Path, dst: Path, short_side: int, quality: int) -> tuple[str, int]:
     """Write `src` (an image) to `dst` resized to `short_side`, or copied where it is no larger: ("resized" or
     "copied", bytes written). A file PIL cannot decode raises ValueError (its reason); a write that fails,
@@ -98,13 +108,8 @@ def shrink_one(src: Path, dst: Path, short_side: int, quality: int) -> tuple[str
             shutil.copyfile(src, part)
             kind, size = "copied", src.stat().st_size
         else:
-            # Encoded in memory and written by Python, which raises on a short write: Pillow saving to a path
-            # writes to the file descriptor itself and ignores a short write (a full disk, a file size limit),
-            # leaving a truncated image without an error.
-            buf = io.BytesIO()
-            out.save(buf, fmt or "JPEG", **({"quality": quality} if fmt in ("JPEG", "WEBP") else {}))
-            part.write_bytes(buf.getbuffer())
-            kind, size = "resized", buf.getbuffer().nbytes
+            kind = "resized"
+            size = write_image(out, part, fmt or "JPEG", **({"quality": quality} if fmt in ("JPEG", "WEBP") else {}))
         if part.stat().st_size != size:
             raise OSError(errno.EIO, f"wrote {part.stat().st_size} of {size} bytes")
         os.replace(part, dst)

@@ -964,10 +964,11 @@ def input_verdict(wait: float, busy: float | None, own: float | None, *, workers
         if gpu_share >= 1:
             return line + (": the GPU decoder, one batch at a time beside the model, is the limit (with more cores "
                            "per card the workers keep more of the JPEGs)")
-        return line + ": the workers and the GPU decoder together are the limit (more cores per card, smaller files)"
+        return line + (": the workers and the GPU decoder together are the limit (more cores per card, or smaller "
+                       "files: python -m job.shrink)")
     if (busy + own) * ranks >= 0.85 * cores:
-        return line + (": the host's cores are the limit (more cores per card, smaller files, or for JPEGs on a "
-                       "GPU data.decode=gpu data.gpu_share=0.5)")
+        return line + (": the host's cores are the limit (more cores per card, smaller files: python -m job.shrink, "
+                       "or for JPEGs on a GPU data.decode=gpu data.gpu_share=0.5)")
     if busy >= 0.85 * workers:
         return line + ": every worker is busy and cores are left: raise data.workers"
     return line + ": the workers are idle part of the time, waiting on the disk or on the training process"

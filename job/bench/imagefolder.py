@@ -31,6 +31,8 @@ def _make_images(args: tuple[str, list[tuple[int, int]], int, int]) -> int:
     import numpy as np
     from PIL import Image
 
+    from job.shrink import write_image
+
     root, items, seed, short_side = args
     total = 0
     for i, cls in items:
@@ -46,8 +48,7 @@ def _make_images(args: tuple[str, list[tuple[int, int]], int, int]) -> int:
         if short_side:
             scale = short_side / min(w, h)
             image = image.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BICUBIC)
-        image.save(path, "JPEG", quality=95)
-        total += path.stat().st_size
+        total += write_image(image, path, "JPEG", quality=95)  # a full disk raises, never a truncated file
     return total
 
 

@@ -204,7 +204,8 @@ def test_the_stream_says_how_much_cpu_its_workers_used():
 
 
 @pytest.mark.parametrize("busy, own, workers, cores, ranks, says", [
-    (15.2, 0.9, 16, 16, 1, "the host's cores are the limit"),  # workers and the training process fill the host
+    (15.2, 0.9, 16, 16, 1, "the host's cores are the limit (more cores per card, smaller files: python -m job.shrink, "
+                           "or for JPEGs on a GPU data.decode=gpu data.gpu_share=0.5)"),  # workers and the training process fill the host
     # data.decode=auto moved JPEGs to the GPU (the last keeps a share: see below)
     (3.7, 1.0, 7, 8, 1, "data.decode=auto put every JPEG on the GPU, where it trained faster: the GPU decoder"),
     (0.5, 1.2, 1, 2, 1, "the host's cores are the limit"),  # one worker, starved by the training process
@@ -234,7 +235,8 @@ def test_a_run_whose_auto_decoder_split_the_jpegs_says_both_are_the_limit():
 
     line = input_verdict(0.2, 7.5, 1.2, workers=7, cores=8, gpu_share=0.5)
     assert line.endswith("; data.decode=auto put half of the JPEGs on the GPU, where it trained faster: the workers "
-                         "and the GPU decoder together are the limit (more cores per card, smaller files)"), line
+                         "and the GPU decoder together are the limit (more cores per card, or smaller files: python -m "
+                         "job.shrink)"), line
     line = input_verdict(0.1, 2.0, 1.2, workers=7, cores=8, gpu_share=0.7)
     assert "; data.decode=auto put 70% of the JPEGs on the GPU, where it trained faster: the workers and the GPU " \
            "decoder together are the limit" in line, line
