@@ -26,6 +26,7 @@ import shutil
 import signal
 import sys
 import time
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 SIDES = (64, 2048)  # --short-side's range
@@ -140,8 +141,10 @@ def _task(args: tuple[str, str, list[str], int, int]) -> list[tuple]:
 
 
 def _worker_init() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the copy; a worker finishes its file
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # The parent stops the copy (a signal to the whole process group, as Ctrl-C or Slurm's SIGTERM send, reaches
+    # the workers too): a worker finishes its chunk, and the parent's shutdown cancels the rest.
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
 
 
 def _check_manifest(dst: Path, settings: dict) -> None:
@@ -226,17 +229,22 @@ def run(src: Path, dst: Path, *, short_side: int, quality: int, procs: int, out=
         stopped = "Ctrl-C"
     except Stop as e:
         stopped = str(e)
+    except BrokenProcessPool:  # a worker killed (the kernel's OOM killer, kill -9)
+        stopped = "a worker process was killed"
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
     written = counts["resized"] + counts["copied"]
+    if stopped or failed:  # a killed worker's file being written (a worker that stopped cleanly removed its own)
+        for f in todo:
+            (dst / f).with_name(Path(f).name + PART).unlink(missing_ok=True)
     have = sum((dst / f).is_file() for f in files) if stopped or failed else written + done_before
     keep = f"{have:,} of {len(files):,} images are in DST and kept: the same command continues from there"
     if stopped:
         print(f"error: stopped ({stopped}); {keep}", file=err)
-        return 130 if stopped == "Ctrl-C" else EXIT_INTERRUPTED
+        return {"Ctrl-C": 130, "SIGTERM": EXIT_INTERRUPTED, "SIGHUP": EXIT_INTERRUPTED}.get(stopped, 1)
     if failed:
         print(f"error: cannot write {dst / failed[0]} ({failed[1]}); free space on {dst}'s disk or give another "
               f"DST, then run again: {keep}", file=err)

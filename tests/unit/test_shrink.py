@@ -182,19 +182,32 @@ def many(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.mark.parametrize("sig, procs, code, name", [(signal.SIGTERM, 2, 75, "SIGTERM"), (signal.SIGINT, 1, 130, "Ctrl-C")])
-def test_a_stopped_copy_keeps_what_it_finished_and_continues(many, tmp_path, sig, procs, code, name):
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.parametrize("how, procs, code, name", [
+    ("SIGTERM to the process group", 2, 75, "SIGTERM"),  # as Slurm sends it: the workers get it too
+    ("SIGINT", 1, 130, "Ctrl-C"),
+    ("SIGKILL to a worker", 2, 1, "a worker process was killed"),  # the kernel's OOM killer
+])
+def test_a_stopped_copy_keeps_what_it_finished_and_continues(many, tmp_path, how, procs, code, name):
     dst = tmp_path / "dst"
     p = subprocess.Popen([sys.executable, "-m", "job.shrink", str(many), str(dst), "--procs", str(procs)], cwd=ROOT,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     deadline = time.monotonic() + 120
     while not list(dst.glob("class_0*/*.jpg")) and time.monotonic() < deadline and p.poll() is None:
         time.sleep(0.02)
-    p.send_signal(sig)
+    if how == "SIGTERM to the process group":
+        os.killpg(p.pid, signal.SIGTERM)
+    elif how == "SIGINT":
+        p.send_signal(signal.SIGINT)
+    else:
+        os.kill(_children(p.pid)[-1], signal.SIGKILL)
     out, err = p.communicate(timeout=120)
     assert p.returncode == code, out + err
     last = err.strip().splitlines()[-1]
-    found = re.fullmatch(rf"error: stopped \({name}\); ([\d,]+) of 600 images are in DST and kept: the same command "
+    found = re.fullmatch(rf"error: stopped \({re.escape(name)}\); ([\d,]+) of 600 images are in DST and kept: the same command "
                          "continues from there", last)
     assert found, err
     assert "Traceback" not in err
