@@ -303,7 +303,8 @@ class BenchCfg:
     makes such a copy of yours): how much smaller files raise the rate where the workers are short of cores."""
     imagefolder_dir: str = ""
     """imagefolder: where the files are generated and reused (empty: <train.run_dir>/bench-images, or
-    bench-images-s<N> with bench.imagefolder_short_side=N)."""
+    bench-images-s<N> with bench.imagefolder_short_side=N); a folder holding files the bench did not generate is
+    refused, never replaced."""
     imagefolder_variants: list[str] = field(default_factory=list)
     """imagefolder: more rows of each strategy on the same files, each with its own data settings (one string
     of space-separated data.KEY=VALUE, KEY one of decode, gpu_share, workers, worker_nice, prefetch), e.g.

@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--size", type=int, default=224)
     p.add_argument("--dir", default="", help="where the files are generated and reused (default: runs/bench-images, "
-                                             "or runs/bench-images-s<N> with --short-side N)")
+                                             "or runs/bench-images-s<N> with --short-side N); a folder of "
+                                             "files it did not generate is refused, never replaced")
     p.add_argument("--files", type=int, default=5000, help="JPEG files generated in --dir (bench.imagefolder's)")
     p.add_argument("--short-side", type=int, default=0,
                    help="N: the files resized to a short side of N px (bench.imagefolder_short_side's); 0: ImageNet-like")
@@ -206,12 +207,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _cli() -> int:
     from job.datasets import BadImage
+    from job.errors import UsageError
 
     try:
         return main()
     except (BadImage, RuntimeError) as e:  # a file that does not decode, a process that failed: one line
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except UsageError as e:  # --dir a folder the bench did not generate
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

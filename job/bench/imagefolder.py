@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from job.errors import UsageError
+
 log = logging.getLogger("job")
 IMAGE_CLASSES = 10
 SHORT_SIDES = (64, 2048)  # bench.imagefolder_short_side's range, besides 0 (the ImageNet-like files)
@@ -59,16 +61,22 @@ def image_folder(root: Path, images: int, *, seed: int = 0, short_side: int = 0)
     manifest = root / "MANIFEST.json"
     want = {"images": images, "classes": IMAGE_CLASSES, "seed": seed, "format": 2}
     resized = {"short_side": short_side} if short_side else {}  # absent: the ImageNet-like files' manifests stay valid
+    doc = None
     if manifest.is_file():
         with contextlib.suppress(OSError, ValueError):
             doc = json.loads(manifest.read_text())
-            if {k: doc.get(k) for k in want} == want and doc.get("short_side", 0) == short_side:
-                log.info("bench: reusing %d generated JPEG files in %s", images, root)
-                return {"path": str(root), "images": images, "classes": IMAGE_CLASSES, "short_side": short_side,
-                        "bytes": int(doc["bytes"]), "generated_s": None}
+    if isinstance(doc, dict) and {k: doc.get(k) for k in want} == want and doc.get("short_side", 0) == short_side:
+        log.info("bench: reusing %d generated JPEG files in %s", images, root)
+        return {"path": str(root), "images": images, "classes": IMAGE_CLASSES, "short_side": short_side,
+                "bytes": int(doc["bytes"]), "generated_s": None}
+    if not (isinstance(doc, dict) and "format" in doc) and _holds_files(root):  # never replace a folder of yours
+        raise UsageError(f"{root} holds files the bench did not generate (no MANIFEST.json of its own), and it "
+                         "writes its generated JPEG files there, replacing what is in it: give a new or empty folder "
+                         "(bench.imagefolder_dir, or --dir; to time your own files, train on them: data.path)")
     shutil.rmtree(root, ignore_errors=True)
     for c in range(IMAGE_CLASSES):
         (root / f"class_{c:02d}").mkdir(parents=True, exist_ok=True)
+    manifest.write_text(json.dumps({"format": want["format"], "generating": True}) + "\n")  # ours, if stopped midway
     log.info("bench: generating %d JPEG files in %s (once; later benches reuse them)", images, root)
     t = time.monotonic()
     items = [(i, i % IMAGE_CLASSES) for i in range(images)]
@@ -88,6 +96,16 @@ def image_folder(root: Path, images: int, *, seed: int = 0, short_side: int = 0)
     tmp.replace(manifest)  # written last: a half-generated folder is regenerated next time
     return {"path": str(root), "images": images, "classes": IMAGE_CLASSES, "short_side": short_side, "bytes": total,
             "generated_s": took}
+
+
+def _holds_files(root: Path) -> bool:
+    """Whether `root` is something other than a missing or empty folder."""
+    if not root.exists():
+        return False
+    if not root.is_dir():
+        return True
+    with os.scandir(root) as entries:
+        return next(entries, None) is not None
 
 
 def token_file(root: Path, *, tokens: int, vocab: int, seed: int = 0) -> dict[str, Any]:

@@ -274,6 +274,18 @@ def test_maxbatch_finds_the_deepest_lm_on_a_real_out_of_memory(tmp_path):
     assert f"{r['params'] / 1e9:.2f}B" in row
 
 
+def test_imagefolder_dir_naming_a_folder_of_yours_is_refused_and_left_alone(tmp_path):
+    mine = tmp_path / "pets"
+    (mine / "cat").mkdir(parents=True)
+    (mine / "cat" / "0001.jpg").write_bytes(b"my photo")
+    p = run_bench(tmp_path / "o", "bench.repeats=1", "bench.baseline=none", "strategies=[dp]", "bench.imagefolder=true",
+                  f"bench.imagefolder_dir={mine}")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and lines[-1].startswith(f"error: {mine} holds files the bench did not generate"), p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "o" / "bench.json").exists()
+    assert (mine / "cat" / "0001.jpg").read_bytes() == b"my photo" and sorted(mine.rglob("*")) == [mine / "cat", mine / "cat" / "0001.jpg"]
+
+
 def test_imagefolder_rows_end_to_end(tmp_path):
     out, images = tmp_path / "i", tmp_path / "images"
     # With the telemetry on/off pair (the real exporter, scraped over loopback) in the same bench.

@@ -467,6 +467,30 @@ def test_image_folder_is_generated_once_and_reused(tmp_path):
     assert len(list((tmp_path / "img").rglob("*.jpg"))) == 20
 
 
+def test_the_image_generator_never_replaces_a_folder_it_did_not_make(tmp_path):
+    """bench.imagefolder_dir (or the decoders' --dir) naming a folder of the user's: refused in one line, its
+    files untouched; an empty folder, one it left half-generated and one an older version made are its own."""
+    from job.errors import UsageError
+
+    mine = tmp_path / "pets"
+    (mine / "cat").mkdir(parents=True)
+    (mine / "cat" / "0001.jpg").write_bytes(b"my photo")
+    with pytest.raises(UsageError, match=r"pets holds files the bench did not generate .*: give a new or empty folder"):
+        bench.image_folder(mine, 12)
+    assert (mine / "cat" / "0001.jpg").read_bytes() == b"my photo"
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(UsageError, match="did not generate"):
+        bench.image_folder(tmp_path / "afile", 12)
+    (tmp_path / "empty").mkdir()
+    assert bench.image_folder(tmp_path / "empty", 12)["generated_s"] is not None
+    half = tmp_path / "half"  # what a generation stopped midway leaves: its first manifest, some files
+    (half / "class_00").mkdir(parents=True)
+    (half / "MANIFEST.json").write_text('{"format": 2, "generating": true}\n')
+    (half / "class_00" / "img_000000.jpg").write_bytes(b"half")
+    assert bench.image_folder(half, 12)["generated_s"] is not None
+    assert len(list(half.rglob("*.jpg"))) == 12
+
+
 def test_smaller_image_files_are_the_same_images_resized_in_a_folder_of_their_own(tmp_path):
     """bench.imagefolder_short_side=N: each generated image resized to a short side of N px (the same quality),
     in bench-images-s<N>, its manifest saying so: the ImageNet-like folder and its manifest stay as they were."""

@@ -363,6 +363,16 @@ def test_the_decoders_bench_refuses_an_absurd_short_side(tmp_path):
     assert p.returncode == 2 and "--short-side 9: give 0 (ImageNet-like files) or a side from 64 to 2048 px" in last, p.stderr
 
 
+def test_the_decoders_bench_refuses_a_folder_it_did_not_generate(tmp_path):
+    (tmp_path / "mine" / "cat").mkdir(parents=True)
+    (tmp_path / "mine" / "cat" / "0001.jpg").write_bytes(b"my photo")
+    p = subprocess.run([sys.executable, "-m", "job.bench.decoders", "--dir", str(tmp_path / "mine"), "--files", "12"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "mine holds files the bench did not generate" in lines[0], p.stderr
+    assert (tmp_path / "mine" / "cat" / "0001.jpg").read_bytes() == b"my photo"
+
+
 def test_the_decoders_bench_times_each_cpu_decoder_and_the_hand_over(tmp_path, capsys):
     """python -m job.bench.decoders on a CPU machine: the two CPU decoders' rates, the cpu decoder's in 2
     processes at once, and the training process's CPU per batch handed over by a worker, for decoded pixels
