@@ -362,14 +362,48 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
     # is checked here, or by `move` after the dataset's own to_device made the tensors.
     _check_items(name, ds, first)
     first = move(first)
+    timings = InputTimings()
     if prefetch:
-        stream = itertools.chain([first], Prefetcher(it, device, move))
+        stream = itertools.chain([first], Prefetcher(it, device, move, timings))
     else:
-        stream = itertools.chain([first], (move(b) for b in it))
+        stream = itertools.chain([first], _moved(it, move, timings))
     if made is None:
         return stream
     return Stream(stream, made, pids=[int(w.pid) for w in getattr(it, "_workers", []) if w.pid is not None],
-                  tuner=tuner)
+                  tuner=tuner, timings=timings)
+
+
+class InputTimings:
+    """Where the training thread's wait for a batch goes, in seconds since the stream started: `take`, taking the
+    next batch from the DataLoader (waiting for the workers, and receiving it: the hand-over); `move_wait`,
+    waiting for `move` (the copy to the device and the dataset's to_device, data.decode=gpu's decoding): on
+    the training thread itself, or with data.prefetch for the prefetch thread; `move_busy`, the seconds `move`
+    ran (with data.prefetch, on its own thread: over a window, how busy that thread was)."""
+
+    __slots__ = ("take", "move_wait", "move_busy")
+
+    def __init__(self):
+        self.take = self.move_wait = self.move_busy = 0.0
+
+    def read(self) -> tuple[float, float, float]:
+        return self.take, self.move_wait, self.move_busy
+
+
+def _moved(it, move, timings: InputTimings):
+    """The loader's batches, moved on the calling thread (no data.prefetch), timed."""
+    while True:
+        t0 = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        t1 = time.perf_counter()
+        out = move(batch)
+        t2 = time.perf_counter()
+        timings.take += t1 - t0
+        timings.move_wait += t2 - t1
+        timings.move_busy += t2 - t1
+        yield out
 
 
 PREFETCH_FACTOR = 2  # batches each worker prepares ahead (DataLoader's default)
@@ -445,10 +479,12 @@ class Stream:
     the read-ahead down. Over a window, samples made / samples taken below 1 says so, whatever the
     loop's own rate: the bench's real-data rows use it to report the rate a run sustains."""
 
-    def __init__(self, it, made: torch.Tensor, pids: list[int] | None = None, tuner: SplitTuner | None = None):
+    def __init__(self, it, made: torch.Tensor, pids: list[int] | None = None, tuner: SplitTuner | None = None,
+                 timings: InputTimings | None = None):
         self.it, self.made, self.taken = it, made, 0
         self.pids = list(pids or [])
         self.tuner = tuner
+        self.timings = timings
 
     def __iter__(self):
         return self
@@ -489,6 +525,10 @@ class Stream:
     @property
     def workers(self) -> int:
         return len(self.made)
+
+    def input_s(self) -> tuple[float, float, float] | None:
+        """(take, move_wait, move_busy) seconds since the stream started (InputTimings); None without them."""
+        return None if self.timings is None else self.timings.read()
 
     def worker_cpu_s(self) -> float | None:
         """CPU seconds (user + system) the workers have used since they started, from /proc; None where the
@@ -779,29 +819,37 @@ class Prefetcher:
     exception in `move` (a file that does not decode) is raised by `next`, in the training thread.
     """
 
-    def __init__(self, it, device: torch.device, move):
+    def __init__(self, it, device: torch.device, move, timings: InputTimings | None = None):
         from concurrent.futures import ThreadPoolExecutor
 
         self.it, self.device, self.move = it, device, move
+        self.timings = timings if timings is not None else InputTimings()
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job-prefetch")
         self.pending = self._submit()
 
     def _submit(self):
+        t = time.perf_counter()
         try:
             batch = next(self.it)
         except StopIteration:
             return None
+        finally:
+            self.timings.take += time.perf_counter() - t
         return self.pool.submit(self._move, batch)
 
     def _move(self, batch):
-        if self.stream is None:
-            return (*self.move(batch), None)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            x, y = self.move(batch)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return x, y, event
+        t = time.perf_counter()
+        try:
+            if self.stream is None:
+                return (*self.move(batch), None)
+            with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+                x, y = self.move(batch)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return x, y, event
+        finally:
+            self.timings.move_busy += time.perf_counter() - t  # only this thread writes it
 
     def __iter__(self):
         return self
@@ -810,12 +858,15 @@ class Prefetcher:
         if self.pending is None:
             self.pool.shutdown(wait=False)
             raise StopIteration
+        t = time.perf_counter()
         try:
             x, y, event = self.pending.result()
         except BaseException:
             self.pending = None
             self.pool.shutdown(wait=False)
             raise
+        finally:
+            self.timings.move_wait += time.perf_counter() - t
         if event is not None:
             stream = torch.cuda.current_stream(self.device)
             stream.wait_event(event)

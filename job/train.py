@@ -759,7 +759,7 @@ class Trainer:
         k = self.workload.units(self.settings)
         rate = throughput * k if throughput is not None else None  # units/s
         unit = self.workload.unit
-        wait, busy, own = self.clock.inputs()
+        wait, busy, own, split = self.clock.inputs()
         gpu_share = getattr(self.batches, "gpu_share", None)  # data.decode=auto's choice, at the end
         settled = getattr(self.batches, "settled_batch", None)  # None: no choice to make, or still choosing
         # every step after settled_step took only batches of the choice (a step takes accum_steps batches)
@@ -772,6 +772,8 @@ class Trainer:
             "peak_window": [self.peaks_from, self.step],  # peaks: steps after peaks_from up to here
             "validation": self.evaluator.last,  # the last evaluation's val_loss, val_accuracy, val_samples
             "data_wait": wait, "data_worker_cores": busy, "process_cores": own,  # rank 0's, over the timed steps
+            # ... and where the wait went (InputTimings; shares of the timed steps' wall time)
+            **dict(zip(("data_take", "data_move_wait", "data_move_busy"), split or (None, None, None))),
             "data_gpu_share": gpu_share, "data_auto_settled_step": settled_step,
             "cards": rows, "memory_breakdown": kinds,
         }
@@ -787,7 +789,8 @@ class Trainer:
             # (synthetic samples are resident on the device: no reader to change, whatever the loop's own pace)
             log.info("%s", input_verdict(wait, busy, own, workers=getattr(self.batches, "workers", 0),
                                          cores=usable_cores(), ranks=self.env.world_size,
-                                         gpu_share=gpu_share, choosing=gpu_share is not None and settled is None))
+                                         gpu_share=gpu_share, choosing=gpu_share is not None and settled is None,
+                                         split=split, prefetch=bool(self.cfg.data.prefetch)))
 
     def close(self) -> None:
         if self.telemetry is not None:
@@ -896,11 +899,11 @@ class _Clock:
         self.workers: list = [None, None]  # (time, the DataLoader workers' CPU seconds, this process's) at start, stop
         self.on_pause = None  # told the seconds of each pause (Stream.exclude: data.decode=auto's windows leave them out)
 
-    def start(self, step: int, workers: tuple[float, float, float] | None = None) -> None:
+    def start(self, step: int, workers: tuple | None = None) -> None:
         self.start_step, self.t0 = step, time.perf_counter()
         self.workers[0] = workers
 
-    def stop(self, step: int, workers: tuple[float, float, float] | None = None) -> None:
+    def stop(self, step: int, workers: tuple | None = None) -> None:
         if self.start_step is not None:
             self.end_step, self.t1 = step, time.perf_counter()
             self.workers[1] = workers
@@ -909,15 +912,18 @@ class _Clock:
         if self.start_step is not None and self.end_step is None:
             self.waited += seconds
 
-    def inputs(self) -> tuple[float | None, float | None, float | None]:
+    def inputs(self) -> tuple[float | None, float | None, float | None, tuple | None]:
         """(the share of the timed steps' seconds the loop waited for data, the cores the workers kept busy
-        meanwhile, the cores this process did); None where nothing was timed, or there are no CPU times."""
+        meanwhile, the cores this process did, and the shares of the timed steps' wall time spent taking batches
+        from the workers, waiting for `move` and running it (InputTimings)); None where nothing was timed, or
+        there are no CPU times or timings."""
         if self.start_step is None or self.end_step is None:
-            return None, None, None
+            return None, None, None, None
         seconds = self.t1 - self.t0 - self.excluded
         wait = self.waited / seconds if seconds > 0 else None
         a, b = self.workers
-        return wait, _cores(a, b, 1), _cores(a, b, 2)
+        split = tuple(_cores(a, b, k) for k in (3, 4, 5))
+        return wait, _cores(a, b, 1), _cores(a, b, 2), None if None in split else split
 
     @contextlib.contextmanager
     def paused(self):
@@ -940,13 +946,19 @@ class _Clock:
 
 
 def input_verdict(wait: float, busy: float | None, own: float | None, *, workers: int, cores: int,
-                  ranks: int = 1, gpu_share: float | None = None, choosing: bool = False) -> str:
+                  ranks: int = 1, gpu_share: float | None = None, choosing: bool = False,
+                  split: tuple[float, float, float] | None = None, prefetch: bool = False) -> str:
     """The run's last line when its loop waited for data: rank 0's `wait` (a share of the timed steps), the
     cores its `workers` kept busy (`busy`) and its own process did (`own`), of the `cores` it may use (every
     rank taken to load the host as rank 0 does), and the share of the JPEGs data.decode=auto moved to the GPU
     (`gpu_share`; `choosing`: it was still trying shares when the run ended): what held the input up, and
-    what to change."""
+    what to change. `split` (InputTimings' shares of the timed steps: taking batches from the workers,
+    waiting for `move`, running it; `prefetch`: `move` ran on the prefetch thread) says where the wait went."""
     line = f"input: the loop waited for data {wait:.0%} of the timed steps"
+    if split is not None:
+        take, move_wait, move_busy = split
+        line += f" (taking batches from the workers {take:.0%}, moving them to the device {move_wait:.0%}"
+        line += f"; the prefetch thread busy {move_busy:.0%})" if prefetch else ")"
     if not workers:
         return line + "; it reads its own data (data.workers=0): set data.workers to read and decode in parallel"
     if busy is None or own is None:
@@ -977,18 +989,21 @@ def input_verdict(wait: float, busy: float | None, own: float | None, *, workers
 def _cores(a: tuple | None, b: tuple | None, k: int) -> float | None:
     """Cores busy between two _workers_cpu marks: the CPU seconds at index k (1: the workers', 2: this
     process's) over the seconds between them; None without both marks."""
-    if a is None or b is None or b[0] <= a[0]:
+    if a is None or b is None or b[0] <= a[0] or len(a) <= k or a[k] is None or b[k] is None:
         return None
     return (b[k] - a[k]) / (b[0] - a[0])
 
 
-def _workers_cpu(batches) -> tuple[float, float, float] | None:
-    """(now, CPU seconds the stream's DataLoader workers have used, CPU seconds this process has used) where
-    it has workers and /proc says."""
+def _workers_cpu(batches) -> tuple | None:
+    """(now, CPU seconds the stream's DataLoader workers have used, CPU seconds this process has used, and the
+    stream's InputTimings: seconds taking batches, waiting for `move`, running `move`) where it has workers and
+    /proc says (the timings None where the stream has none)."""
     read = getattr(batches, "worker_cpu_s", None)
     used = read() if read is not None else None
     own = process_cpu_s(os.getpid()) if used is not None else None
-    return (time.perf_counter(), used, own) if own is not None else None
+    timed = getattr(batches, "input_s", None)
+    split = (timed() if timed is not None else None) or (None, None, None)
+    return (time.perf_counter(), used, own, *split) if own is not None else None
 
 
 def _batches(tr: Trainer):

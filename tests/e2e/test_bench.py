@@ -329,10 +329,14 @@ def test_imagefolder_rows_end_to_end(tmp_path):
     cpu = [json.loads(x)["data_cpu_s"] for x in (Path(img["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
     assert cpu == sorted(cpu) and cpu[-1] > cpu[0] > 0, cpu  # the worker's CPU seconds so far, growing
     # The run ends by saying what held its input up, over the timed steps; summary.json has the figures.
-    assert re.search(r"^input: the loop waited for data \d+% of the timed steps; its 1 worker kept [\d.]+ cores busy "
-                     r"and the training process [\d.]+, of \d+: ", Path(img["log"]).read_text(), re.M)
+    assert re.search(r"^input: the loop waited for data \d+% of the timed steps \(taking batches from the workers "
+                     r"\d+%, moving them to the device \d+%; the prefetch thread busy \d+%\); its 1 worker kept "
+                     r"[\d.]+ cores busy and the training process [\d.]+, of \d+: ", Path(img["log"]).read_text(), re.M)
     done = {r["name"]: json.loads((Path(r["run_dir"]) / "summary.json").read_text()) for r in (img, syn)}
     assert done["dp+imagefolder"]["data_wait"] > 0.3 and 0.02 < done["dp+imagefolder"]["data_worker_cores"] <= 1.05
+    # where the wait went: mostly taking the one worker's batches (it decodes them), each share of the window
+    s = done["dp+imagefolder"]
+    assert 0 <= s["data_move_wait"] < s["data_take"] <= 1.0 and 0 <= s["data_move_busy"] <= 1.0, s
     assert done["dp"]["data_worker_cores"] is None and done["dp"]["data_wait"] < 0.1
     assert "input: " not in Path(syn["log"]).read_text()
     # The variant: the same files with its own data settings (its workers, not the default 1), a row of its

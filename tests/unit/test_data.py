@@ -3,6 +3,8 @@ data set are visited, so that a resumed, re-split or re-accumulated run sees the
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -121,6 +123,50 @@ def test_the_prefetcher_moves_the_next_batch_on_its_thread_in_order_and_raises_i
     assert torch.equal(next(done)[0], torch.ones(1))
     with pytest.raises(StopIteration):
         next(done)
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_the_stream_times_where_the_wait_for_a_batch_goes(prefetch):
+    """InputTimings: the seconds taking batches from the loader (the workers and their hand-over), waiting for
+    `move` and running it, on the prefetch thread or the training thread. A loader that takes 40 ms a batch and
+    a move of 25 ms, 6 batches: each figure at least what the sleeps add up to, and not far above."""
+    from job.data import InputTimings, Prefetcher, _moved
+
+    def loader():
+        for i in range(6):
+            time.sleep(0.04)
+            yield torch.full((2,), i), torch.tensor([i])
+
+    def move(batch):
+        time.sleep(0.025)
+        return batch
+
+    timings = InputTimings()
+    it = Prefetcher(loader(), torch.device("cpu"), move, timings) if prefetch else _moved(loader(), move, timings)
+    got = []
+    for _, y in it:
+        got.append(int(y))
+        time.sleep(0.05)  # the step: with data.prefetch the next batch's move runs meanwhile
+    assert got == list(range(6))
+    take, move_wait, move_busy = timings.read()
+    assert 6 * 0.04 <= take < 6 * 0.04 + 1.0, timings.read()
+    assert 6 * 0.025 <= move_busy < 6 * 0.025 + 1.0, timings.read()
+    if prefetch:  # the training thread hardly waits for a move that ran during its step
+        assert move_wait < move_busy / 2, timings.read()
+    else:
+        assert move_wait == move_busy
+
+
+def test_the_input_line_says_where_the_wait_went():
+    from job.train import input_verdict
+
+    line = input_verdict(0.3, 15.2, 0.9, workers=16, cores=16, split=(0.08, 0.22, 0.97), prefetch=True)
+    assert line.startswith("input: the loop waited for data 30% of the timed steps (taking batches from the workers "
+                           "8%, moving them to the device 22%; the prefetch thread busy 97%); its 16 workers kept "
+                           "15.2 cores busy"), line
+    line = input_verdict(0.3, 15.2, 0.9, workers=16, cores=16, split=(0.08, 0.22, 0.22))
+    assert line.startswith("input: the loop waited for data 30% of the timed steps (taking batches from the workers "
+                           "8%, moving them to the device 22%); its 16"), line
 
 
 class _Items:
