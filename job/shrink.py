@@ -29,16 +29,13 @@ import time
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+from job.errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
+
 SIDES = (64, 2048)  # --short-side's range
 QUALITIES = (50, 100)  # --quality's range (JPEG and WebP)
 MANIFEST = "SHRINK.json"
 PART = ".part"  # a file being written: not an image extension, so ImageFolder never reads one
 CHUNK = 32  # files a task: small, so that a stop waits for little
-EXIT_INTERRUPTED = 75  # as a training run stopped by SIGTERM (job.errors): "run it again"
-
-
-class Usage(Exception):
-    """A bad argument or folder: one line, exit 2."""
 
 
 class Stop(Exception):
@@ -154,11 +151,11 @@ def _check_manifest(dst: Path, settings: dict) -> None:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):
-        raise Usage(f"{path} is not readable JSON; remove it (and DST's files if they are not this copy's) "
+        raise UsageError(f"{path} is not readable JSON; remove it (and DST's files if they are not this copy's) "
                     "and run again") from None
     if {k: doc.get(k) for k in settings} != settings:
         was = " ".join(f"--{k.replace('_', '-')} {doc.get(k)}" for k in settings)
-        raise Usage(f"{dst} was made with {was}; give the same settings to continue it, or a new DST")
+        raise UsageError(f"{dst} was made with {was}; give the same settings to continue it, or a new DST")
 
 
 def _mb(n: int) -> str:
@@ -169,14 +166,14 @@ def run(src: Path, dst: Path, *, short_side: int, quality: int, procs: int, out=
     out, err = out or sys.stdout, err or sys.stderr
     src, dst = src.resolve(), dst.resolve()
     if not src.is_dir():
-        raise Usage(f"{src} is not a folder; give SRC, an image folder (one sub-folder per class)")
+        raise UsageError(f"{src} is not a folder; give SRC, an image folder (one sub-folder per class)")
     if dst == src or src in dst.parents or dst in src.parents:
-        raise Usage(f"DST {dst} and SRC {src} overlap; give a DST outside SRC (the copy never writes into SRC)")
+        raise UsageError(f"DST {dst} and SRC {src} overlap; give a DST outside SRC (the copy never writes into SRC)")
     settings = {"short_side": short_side, "quality": quality}
     _check_manifest(dst, settings)
     files = image_files(src)
     if not files:
-        raise Usage(f"{src} holds no images ({' '.join(_extensions())}); give the ImageFolder root as SRC")
+        raise UsageError(f"{src} holds no images ({' '.join(_extensions())}); give the ImageFolder root as SRC")
     todo = [f for f in files if not (dst / f).is_file()]
     done_before = len(files) - len(todo)
     dst.mkdir(parents=True, exist_ok=True)
@@ -268,7 +265,7 @@ def run(src: Path, dst: Path, *, short_side: int, quality: int, procs: int, out=
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, exit 2 (argparse prints the usage block first)
-        raise Usage(f"{message}; see python -m job.shrink --help")
+        raise UsageError(f"{message}; see python -m job.shrink --help")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,15 +280,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         a = p.parse_args(argv)
         if not SIDES[0] <= a.short_side <= SIDES[1]:
-            raise Usage(f"--short-side {a.short_side} is out of range; give {SIDES[0]} to {SIDES[1]} px (e.g. 256)")
+            raise UsageError(f"--short-side {a.short_side} is out of range; give {SIDES[0]} to {SIDES[1]} px (e.g. 256)")
         if not QUALITIES[0] <= a.quality <= QUALITIES[1]:
-            raise Usage(f"--quality {a.quality} is out of range; give {QUALITIES[0]} to {QUALITIES[1]} (e.g. 90)")
+            raise UsageError(f"--quality {a.quality} is out of range; give {QUALITIES[0]} to {QUALITIES[1]} (e.g. 90)")
         if a.procs < 1:
-            raise Usage(f"--procs {a.procs}: give 1 or more processes")
+            raise UsageError(f"--procs {a.procs}: give 1 or more processes")
         return run(a.src, a.dst, short_side=a.short_side, quality=a.quality, procs=a.procs)
-    except Usage as e:
+    except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     except OSError as e:  # DST not creatable, SRC unreadable while listing
         print(f"error: {e.filename or ''}: {e.strerror or e}; check the folder and its permissions", file=sys.stderr)
         return 1

@@ -896,7 +896,7 @@ class _Clock:
         self.start_step = self.end_step = None
         self.t0 = self.t1 = self.excluded = 0.0
         self.waited = 0.0  # seconds the loop waited for batches in the timed steps
-        self.workers: list = [None, None]  # (time, the DataLoader workers' CPU seconds, this process's) at start, stop
+        self.workers: list = [None, None]  # _workers_cpu's marks (time, CPU seconds, InputTimings) at start, stop
         self.on_pause = None  # told the seconds of each pause (Stream.exclude: data.decode=auto's windows leave them out)
 
     def start(self, step: int, workers: tuple | None = None) -> None:

@@ -33,7 +33,7 @@ def _make_images(args: tuple[str, list[tuple[int, int]], int, int]) -> int:
     import numpy as np
     from PIL import Image
 
-    from job.shrink import write_image
+    from job.shrink import target_size, write_image
 
     root, items, seed, short_side = args
     total = 0
@@ -48,8 +48,7 @@ def _make_images(args: tuple[str, list[tuple[int, int]], int, int]) -> int:
         path = Path(root) / f"class_{cls:02d}" / f"img_{i:06d}.jpg"
         image = Image.fromarray(np.clip(img, 0, 255).astype(np.uint8))
         if short_side:
-            scale = short_side / min(w, h)
-            image = image.resize((max(1, round(w * scale)), max(1, round(h * scale))), Image.BICUBIC)
+            image = image.resize(target_size(w, h, short_side), Image.BICUBIC)
         total += write_image(image, path, "JPEG", quality=95)  # a full disk raises, never a truncated file
     return total
 
