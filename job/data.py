@@ -60,6 +60,7 @@ class Data:
         self.device = device  # the training device: where data.decode=auto decodes images
         self._train: tuple | None = None
         self._split = GpuSplit() if self.adaptive else None  # made before any worker starts: they share it
+        self._valset: tuple | None = None  # val_set's (dataset, indices)
         self._val: tuple | None = None  # (what it was made for, the held-out DataLoader, move): val_batches'
 
     @property
@@ -104,39 +105,47 @@ class Data:
         if not (hasattr(ds, "__getitem__") and hasattr(ds, "__len__")):
             raise UsageError(f"workload `{self.resolved.name}`: dataset() returned a {type(ds).__name__}, not a "
                              "map-style Dataset (with __getitem__ and __len__)")
-        n = wl.call(f"workload `{self.resolved.name}`: len(dataset)", len, ds)
-        if n == 0:
+        if wl.call(f"workload `{self.resolved.name}`: len(dataset)", len, ds) == 0:
             raise UsageError(f"workload `{self.resolved.name}`: the {split} dataset at {path} holds no samples; "
                              "point data.path at data")
+        return ds
+
+    def _decoded(self, ds) -> str:
+        """How the training dataset's samples are decoded, for its line ("" where it does not say)."""
         decoded = getattr(ds, "decode", None)
+        if not isinstance(decoded, str):
+            return ""
         if decoded == "gpu" and getattr(ds, "gpu_share", 1.0) < 1.0:
             decoded = f"gpu ({ds.gpu_share:.0%} of the JPEGs; the workers decode the rest)"
         if decoded == "cpu" and self._follows_split(ds):
             decoded = "cpu, a share moving to the gpu if the workers cannot keep up and it trains faster"
-        log.info("data: %s %s: %s samples%s", self.cfg.kind, path, f"{n:,}",
-                 f", decoded on the {decoded} (data.decode={self.cfg.decode})" if isinstance(decoded, str) else "")
-        return ds
+        return f", decoded on the {decoded} (data.decode={self.cfg.decode})"
 
     def train_set(self) -> tuple:
-        """(dataset, the item indices that are training data)."""
+        """(dataset, the item indices that are training data); built once a run, with one line saying so."""
         if self._train is None:
             ds = self._dataset(self.cfg.path, "train")
-            indices = list(range(len(ds)))
+            indices, held = list(range(len(ds))), ""
             if self.cfg.val_fraction:
                 indices = held_out_split(len(ds), self.cfg.val_fraction, path=self.cfg.path)[0]
+                held = f" ({len(ds) - len(indices):,} more held out: data.val_fraction={self.cfg.val_fraction})"
+            log.info("data: %s %s: %s training samples%s%s", self.cfg.kind, self.cfg.path, f"{len(indices):,}", held,
+                     self._decoded(ds))
             self._train = (ds, indices)
         return self._train
 
     def val_set(self) -> tuple | None:
-        """(dataset, held-out item indices), or None where no held-out data is configured."""
+        """(dataset, held-out item indices), or None where no held-out data is configured. Built once a run (a
+        folder of images is listed once, not at every evaluation)."""
         d = self.cfg
-        if d.val_path:
+        if self._valset is None and d.val_path:
             ds = self._dataset(d.val_path, "val")
-            return ds, list(range(len(ds)))
-        if d.val_fraction:
+            log.info("data: %s %s: %s held-out samples", d.kind, d.val_path, f"{len(ds):,}")
+            self._valset = (ds, list(range(len(ds))))
+        elif self._valset is None and d.val_fraction:
             ds = self._dataset(d.path, "val")
-            return ds, held_out_split(len(ds), d.val_fraction, path=d.path)[1]
-        return None
+            self._valset = (ds, held_out_split(len(ds), d.val_fraction, path=d.path)[1])
+        return self._valset
 
     def check(self) -> None:
         """Build the data sets now and read one sample of each (rank 0, before anything is written)."""

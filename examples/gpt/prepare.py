@@ -6,6 +6,7 @@ the last tenth held out.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -13,15 +14,29 @@ import numpy as np
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print("usage: python examples/gpt/prepare.py INPUT.txt OUT_DIR", file=sys.stderr)
+    ap = argparse.ArgumentParser(prog="python examples/gpt/prepare.py",
+                                 description="A text file's bytes as uint16 token files for examples/gpt.")
+    ap.add_argument("text", metavar="INPUT.txt", type=Path)
+    ap.add_argument("out", metavar="OUT_DIR", type=Path)
+    args = ap.parse_args(argv)
+    out = args.out
+    try:
+        data = np.frombuffer(args.text.read_bytes(), dtype=np.uint8).astype(np.uint16)
+    except OSError as e:
+        print(f"prepare: cannot read {args.text}: {e.strerror or e}; name an existing text file", file=sys.stderr)
         return 2
-    data = np.frombuffer(Path(argv[0]).read_bytes(), dtype=np.uint8).astype(np.uint16)
-    out = Path(argv[1])
-    out.mkdir(parents=True, exist_ok=True)
+    if len(data) < 20:
+        print(f"prepare: {args.text} has {len(data)} bytes; a text of a few kB at least makes a usable token file",
+              file=sys.stderr)
+        return 2
     cut = int(len(data) * 0.9)
-    data[:cut].tofile(out / "train.bin")
-    data[cut:].tofile(out / "val.bin")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        data[:cut].tofile(out / "train.bin")
+        data[cut:].tofile(out / "val.bin")
+    except OSError as e:
+        print(f"prepare: cannot write {out}: {e.strerror or e}; choose a folder you can write", file=sys.stderr)
+        return 1
     print(f"{out / 'train.bin'}: {cut:,} tokens; {out / 'val.bin'}: {len(data) - cut:,} tokens")
     return 0
 
