@@ -5,6 +5,7 @@ files are one line; data.decode is checked against the device."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -394,3 +395,27 @@ def test_the_decoders_bench_times_each_cpu_decoder_and_the_hand_over(tmp_path, c
     m = re.search(r"hand-over, the training process's CPU per batch of 4 from a worker: cpu ([\d.]+) ms, "
                   r"gpu ([\d.]+) ms", out)
     assert m and float(m[1]) >= 0 and float(m[2]) >= 0, out
+
+
+def test_the_held_out_set_is_built_once_and_each_split_says_its_samples(tmp_path, caplog):
+    """Every evaluation reads the same held-out set: the folder is listed once a run (it used to be listed again
+    at every evaluation), and the log's line counts the training samples, not the whole folder."""
+    import logging
+
+    root = make_folder(tmp_path / "imgs", per_class=5)
+    cfg = config.load(["workload=tiny", "workload.image_size=16", "data.kind=imagefolder", f"data.path={root}",
+                       "data.val_fraction=0.2", "train.device=cpu"])
+    d = Data(config.workload_of(cfg), config.workload_settings(cfg), cfg.data, seed=0, device=CPU)
+    built = []
+    dataset = d.workload.dataset
+    d.workload = dataclasses.replace(d.workload, dataset=lambda *a: built.append(a[1].split) or dataset(*a))
+    with caplog.at_level(logging.INFO, logger="job"):
+        d.check()
+        for _ in range(3):  # three evaluations
+            assert sum(n for *_, n in d.val_batches(batch=4, limit=0, rank=0, world=1, device=CPU,
+                                                    channels_last=False)) == 2
+    d.close()
+    assert built == ["train", "val"]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data: ")]
+    assert lines == [f"data: imagefolder {root}: 8 training samples (2 more held out: data.val_fraction=0.2), "
+                     "decoded on the cpu (data.decode=auto)"], lines
