@@ -193,7 +193,8 @@ class Data:
             tuner = SplitTuner(self._split, first_id=lambda g: start + g * micro_batch,
                                lookahead=tuner_lookahead(self.cfg.workers), device=device)
         return _loader(self.resolved.name, ds, sampler, workers=self.cfg.workers, device=device, channels_last=channels_last,
-                       prefetch=prefetch, persistent=True, nice=self.cfg.worker_nice, tuner=tuner)
+                       prefetch=prefetch, persistent=True, nice=self.cfg.worker_nice, tuner=tuner,
+                       seed=self.seed * 1_000_003 + start * 1_009 + offset)
 
     # -- held-out batches ---------------------------------------------------------------------------
     def has_val(self, eval_every: int) -> bool:
@@ -234,7 +235,8 @@ class Data:
             ds, indices = fetch
             picked = [[SampleIndex(indices[i], i, self.seed) for i in ids] for ids in index_lists]
             self._val = (key, *_held_out_loader(self.resolved.name, ds, picked, workers=self.cfg.workers,
-                                                device=device, channels_last=channels_last, nice=self.cfg.worker_nice))
+                                                device=device, channels_last=channels_last, nice=self.cfg.worker_nice,
+                                                seed=self.seed * 1_000_003 + 104_729 + rank))
         _, loader, move = self._val
         it = iter(loader)
         if self.cfg.workers:
@@ -352,14 +354,15 @@ def _hooks(name: str, ds, device: torch.device, channels_last: bool):
 
 
 def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device, channels_last: bool, prefetch: bool,
-            persistent: bool, nice: int = 0, tuner: SplitTuner | None = None):
+            persistent: bool, nice: int = 0, tuner: SplitTuner | None = None, seed: int = 0):
     collate, move = _hooks(name, ds, device, channels_last)
     made = None
     if workers and persistent:  # the training stream: its batches cross in slots the workers reuse
         collate, move = _through_slots(collate, move)
         made = torch.zeros(workers, dtype=torch.int64).share_memory_()
         collate = CountingCollate(collate, made)
-    loader = _data_loader(ds, batch_sampler, collate, workers=workers, device=device, persistent=persistent, nice=nice)
+    loader = _data_loader(ds, batch_sampler, collate, workers=workers, device=device, persistent=persistent, nice=nice,
+                          seed=seed)
     it = iter(loader)
     if workers:
         _WITH_WORKERS.add(it)
@@ -425,7 +428,12 @@ def _check_items(name: str, ds, batch) -> None:
         _check_pair(name, "dataset items", batch, _rows(batch))
 
 
-def _data_loader(ds, batch_sampler, collate, *, workers: int, device: torch.device, persistent: bool, nice: int):
+def _data_loader(ds, batch_sampler, collate, *, workers: int, device: torch.device, persistent: bool, nice: int,
+                 seed: int):
+    """A DataLoader with this module's settings. Its own generator, seeded with `seed`, gives the workers'
+    base seed: a DataLoader without one draws it from torch's global generator each time an iterator starts,
+    which moved the training's random stream (dropout) by one draw wherever a run built its stream, so a
+    resumed run with dropout did not train the steps an uninterrupted one did."""
     import functools
 
     from torch.utils.data import DataLoader
@@ -437,18 +445,20 @@ def _data_loader(ds, batch_sampler, collate, *, workers: int, device: torch.devi
     return DataLoader(ds, batch_sampler=batch_sampler, num_workers=workers, pin_memory=device.type == "cuda",
                       collate_fn=collate, persistent_workers=persistent and workers > 0,
                       worker_init_fn=functools.partial(_worker_start, nice=nice) if workers else None,
-                      prefetch_factor=PREFETCH_FACTOR if workers else None)
+                      prefetch_factor=PREFETCH_FACTOR if workers else None,
+                      generator=torch.Generator().manual_seed(seed))
 
 
 def _held_out_loader(name: str, ds, batches: list, *, workers: int, device: torch.device, channels_last: bool,
-                     nice: int):
+                     nice: int, seed: int):
     """(DataLoader, move) for the held-out batches, read whole at every evaluation. Its workers start at the
     first evaluation and are kept for the next ones: forked once a run, not once an evaluation. (A fork while
     another thread creates or drops a Python thread state can leave the child of a CPython 3.11 without the fix
     of python/cpython#112275, such as 3.11.7, waiting forever on a lock in PyOS_AfterFork_Child; seen once in
     a CPU test with 3 evaluations.) The first batch's pair is checked as the training stream's is."""
     collate, move = _hooks(name, ds, device, channels_last)
-    loader = _data_loader(ds, batches, collate, workers=workers, device=device, persistent=True, nice=nice)
+    loader = _data_loader(ds, batches, collate, workers=workers, device=device, persistent=True, nice=nice,
+                          seed=seed)
     checked = False
 
     def move_checked(batch):
@@ -825,7 +835,8 @@ class Prefetcher:
     batches are alive than before (the one training, the one being made). On a GPU `move` runs on a side
     stream: the consumer's stream waits on its event before use, and `record_stream` tells the caching
     allocator the tensors are used on the compute stream, so their memory is not reused too early. An
-    exception in `move` (a file that does not decode) is raised by `next`, in the training thread.
+    exception in `move` or in taking a batch from the loader (a file that does not decode) is raised by the
+    `next` that would have returned that batch, in the training thread.
     """
 
     def __init__(self, it, device: torch.device, move, timings: InputTimings | None = None):
@@ -843,6 +854,12 @@ class Prefetcher:
             batch = next(self.it)
         except StopIteration:
             return None
+        except Exception as e:  # raised by `next` for this batch, not for the one being handed out now
+            from concurrent.futures import Future
+
+            failed = Future()
+            failed.set_exception(e)
+            return failed
         finally:
             self.timings.take += time.perf_counter() - t
         return self.pool.submit(self._move, batch)

@@ -81,7 +81,7 @@ def describe(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, torch.OutOfMemoryError) or (
             isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)):  # the CPU allocator's
         # torch's message: what was asked, the card's size and free memory, who holds it; then allocator advice.
-        first = re.split(r"\.\s+(?=Of the allocated|If reserved|See documentation)", _first_line(exc))[0]
+        first = re.split(r"\.\s+(?=Of the allocated|If reserved|See documentation)", first_line(exc))[0]
         where = getattr(exc, "job_context", "")  # what the job was doing, set where it knows (graph capture)
         return f"{(first or 'out of memory').rstrip('.')}{' ' + where if where else ''}; {OOM_FIX}", EXIT_CRASH
     if isinstance(exc, KeyboardInterrupt):
@@ -89,11 +89,14 @@ def describe(exc: BaseException) -> tuple[str, int]:
     if isinstance(exc, SystemExit):
         code = exc.code if isinstance(exc.code, int) else EXIT_CRASH
         return f"exited with code {code}", code
-    from job.workload import describe_user_error, user_frames
+    from job.workload import describe_user_error, describe_worker_error, user_frames
 
+    worker = describe_worker_error(exc)
+    if worker:  # raised in a DataLoader worker: its message and frames, which the re-raise turned into text
+        return worker, EXIT_CRASH
     if user_frames(exc):  # raised in the user's workload code: their file and line, not ours
         return describe_user_error(exc), EXIT_CRASH
-    return f"{type(exc).__name__}: {_first_line(exc)} (at {_where(exc)})", EXIT_CRASH
+    return f"{type(exc).__name__}: {first_line(exc)} (at {_where(exc)})", EXIT_CRASH
 
 
 def _unresolved(exc: BaseException) -> str:
@@ -104,7 +107,7 @@ def _unresolved(exc: BaseException) -> str:
         return ""
     if not isinstance(exc, InterpolationResolutionError):
         return ""
-    return (f"`{exc.full_key or '?'}` cannot be resolved ({_first_line(exc)}); write the value itself, or "
+    return (f"`{exc.full_key or '?'}` cannot be resolved ({first_line(exc)}); write the value itself, or "
             "interpolate a key that exists, e.g. ${train.run_dir}")
 
 
@@ -126,11 +129,11 @@ def _is_timeout(exc: BaseException) -> bool:
 
 def _short(exc: BaseException) -> str:
     """A collective's error without gloo's source location and advice: `Connection closed by peer …`."""
-    text = re.sub(r"^\[[^\]]*\]\s*", "", _first_line(exc))
+    text = re.sub(r"^\[[^\]]*\]\s*", "", first_line(exc))
     return text.split(". ")[0].rstrip(".")
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return lines[0] if lines else ""
 

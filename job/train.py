@@ -3,8 +3,10 @@
 Everything strategy-specific sits behind job.strategies (setup / loss / backward_sync); the loop below
 is the same for all of them. Interruptions (SIGTERM, SIGINT, SIGUSR1, SIGUSR2) set a flag; the current step
 finishes, every rank agrees to stop, a checkpoint is written, and the process exits 75 (a second Ctrl-C
-stops at once, exit 130). A rank that fails leaves through job.failure (one line, no collective, abort);
-a loss or weights that stop being finite end the run without a checkpoint over the last finite one.
+stops at once, exit 130). A batch that cannot be made (a file that does not decode) stops every rank at the
+last whole step with a checkpoint of it, exit 2. A rank that fails otherwise leaves through job.failure (one
+line, no collective, abort); a loss or weights that stop being finite end the run without a checkpoint over the
+last finite one.
 """
 
 from __future__ import annotations
@@ -238,6 +240,7 @@ class Trainer:
         self._faults = failure.faults()  # the JOB_FAULT test hook; empty unless set
         self._loss_sum = torch.zeros((), device=self.device)  # this rank's loss since the last log line
         self._data_wait = 0.0  # seconds the loop waited for its next batch since the last log line
+        self._ahead = None  # the next step's first micro-batch, taken before the stop vote (_fetch_ahead)
         self._bad_loss = False  # this rank has seen a loss that is not finite
         self._nonfinite: str | None = None  # why the run ended without a checkpoint over the last finite one
         # Weights are restored before the strategy wraps or replicates the model, the optimizer after
@@ -534,9 +537,13 @@ class Trainer:
         window = _Window(self, warmup=t.timing_warmup, settle=settle)
         rank_samples = self.strategy.share(self.micro_batch)[1] * t.accum_steps
         self._logged_at, self._logged_step, self._last_loss = time.perf_counter(), self.step, float("nan")
+        step_start = time.perf_counter()  # a step's time counts its wait for data (_fetch_ahead's too)
         while self.step < t.steps:
-            step_start = time.perf_counter()
-            self._step(poison=self._faults and failure.inject(self._faults, rank=self.env.rank, step=self.step + 1))
+            try:
+                self._step(poison=self._faults and failure.inject(self._faults, rank=self.env.rank,
+                                                                  step=self.step + 1))
+            except _BatchFailed as f:  # one process: no peer is waiting in a collective
+                self._stop_on_data_error(f.error)
             window.after_step(self.step)
             # Not finite: known for free on CPU, and after a device sync (log steps) on GPUs; every save
             # checks again with all ranks before writing.
@@ -553,11 +560,67 @@ class Trainer:
                     self.save_checkpoint()
                 if self._nonfinite:
                     return True
-            # One collective per step: stop if any rank was asked to, or saw a loss that is not finite (which
-            # of the two, every rank learns in save_checkpoint).
-            if self.strategy.any(_stop.is_set() or bad):
+            # The next step's first batch before the vote: a file that does not decode there stops every rank
+            # at this step, with a checkpoint, instead of one rank failing alone inside the next step.
+            step_start = time.perf_counter()
+            failed = self._fetch_ahead() if self.step < t.steps else None
+            # One collective per step: stop if any rank was asked to, saw a loss that is not finite (which of
+            # the two, every rank learns in save_checkpoint), or could not read its next batch.
+            if self.strategy.any(_stop.is_set() or bad or failed is not None):
+                if self.strategy.any(failed is not None):
+                    self._stop_on_data_error(failed)
                 return self.step < t.steps
         return False
+
+    def _next_batch(self):
+        """This rank's next micro-batch (the one _fetch_ahead took, if any), its wait counted as the loop's."""
+        if self._ahead is not None:
+            batch, self._ahead = self._ahead, None
+            return batch
+        with phases.mark("data"):
+            waiting = time.perf_counter()
+            batch = next(self.batches)
+            waited = time.perf_counter() - waiting
+        self._data_wait += waited
+        self.clock.add_wait(waited)
+        return batch
+
+    def _fetch_ahead(self) -> BaseException | None:
+        """Take the next step's first micro-batch now (at the end of a step, before the stop vote); the
+        exception that taking it raised, or None."""
+        try:
+            self._ahead = self._next_batch()
+        except Exception as e:
+            return e
+        return None
+
+    def _stop_on_data_error(self, error: BaseException | None) -> None:
+        """A batch could not be made (a file that does not decode, the dataset's own error) on this rank, or
+        (None) on another: every rank is here, after a whole step. Checkpoint that step, then stop with the
+        failing rank's line plus where the run resumes; the other ranks stop quietly."""
+        kept = None
+        try:
+            self.save_checkpoint()
+        except ckpt.WriteFailed as e:
+            kept = str(e)
+        except Exception as e:  # the card itself failed (the batch's error may be the card's): say the first
+            kept = f"{type(e).__name__}: {failure.first_line(e)}"
+        again = f"the same command with train.run_id={self.run_id}"
+        if self._saved_step == self.step:
+            where = f"the run stopped at step {self.step} with a checkpoint there: {again} resumes from it"
+        else:
+            why = kept or (f"the loss on {self._nonfinite} is not finite" if self._nonfinite else "not written")
+            last = ckpt.list_checkpoints(self.ckpt_dir)
+            where = (f"the run stopped at step {self.step}, its checkpoint there not written ({why}): {again} "
+                     f"resumes from {last[-1] if last else 'the start'}")
+        if self.env.world_size > 1:
+            launch.destroy_group()  # every rank got here together: the group closes cleanly, no abort
+        if error is None:
+            raise PeerUsageError(where)
+        if isinstance(error, UsageError):
+            raise UsageError(f"{error}; {where}") from None
+        log.error("%s; the error follows", where)
+        raise error
 
     def _step(self, *, poison: bool) -> None:
         """One optimizer step over train.accum_steps micro-batches (`poison`: a fault test's NaN loss); the loss
@@ -565,13 +628,18 @@ class Trainer:
         t = self._train
         self._set_lr()
         self.optimizer.zero_grad(set_to_none=True)
+        # One process checkpoints the last whole step when a micro-batch fails (_loop): its weights are still
+        # those, and its random state is put back to the step's start (the micro-batches before drew from it).
+        rng = ckpt.rng_state() if t.accum_steps > 1 and self.env.world_size == 1 else None
         for micro in range(t.accum_steps):
-            with phases.mark("data"):
-                waiting = time.perf_counter()
-                x, y = next(self.batches)
-                waited = time.perf_counter() - waiting
-                self._data_wait += waited
-                self.clock.add_wait(waited)
+            try:
+                x, y = self._next_batch()
+            except Exception as e:
+                if self.env.world_size > 1:  # a micro-batch after the first: the peers are already training
+                    raise
+                if rng is not None:
+                    ckpt.set_rng_state(rng)
+                raise _BatchFailed(e) from e
             with self.strategy.backward_sync(micro == t.accum_steps - 1):
                 with self.precision.autocast():
                     with phases.mark("forward+loss"):
@@ -719,8 +787,8 @@ class Trainer:
             since = ckpt.step_of(kept[-1])
             if self.is_main:
                 log.error("error: %s; the run stopped at step %d and resumes from %s: steps %d-%d will be "
-                          "trained again. Free space, then run the same command; exit %d", e, self.step,
-                          kept[-1], since + 1, self.step, EXIT_INTERRUPTED)
+                          "trained again. Free space, then run the same command with train.run_id=%s; exit %d", e,
+                          self.step, kept[-1], since + 1, self.step, self.run_id, EXIT_INTERRUPTED)
             return EXIT_INTERRUPTED
         if self.is_main:
             log.error("error: %s; no checkpoint of this run was kept, so the %d steps trained are lost. Free "
@@ -740,8 +808,8 @@ class Trainer:
             what = f"kept the last finite checkpoint {kept[-1]}" if kept else "no checkpoint was written"
             amp = " or train.amp=bf16 instead of fp16" if self.cfg.train.amp == "fp16" else ""
             log.error("error: the loss or the weights are no longer finite at step %d (%s); %s; lower train.lr "
-                      "(now %g) or add train.warmup_steps%s, then run the same command to resume", self.step,
-                      self._nonfinite, what, self.cfg.train.lr, amp)
+                      "(now %g) or add train.warmup_steps%s, then run the same command with train.run_id=%s to "
+                      "resume", self.step, self._nonfinite, what, self.cfg.train.lr, amp, self.run_id)
         return failure.EXIT_CRASH
 
     def _restart_peaks(self) -> None:
@@ -801,6 +869,14 @@ class Trainer:
         del self.model, self.optimizer, self.batches
         gc.collect()
         launch.destroy_group()
+
+
+class _BatchFailed(Exception):
+    """Raised by Trainer._step when taking a micro-batch failed in a one-process run: `error` is why."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
 
 
 def _plain(section):

@@ -47,6 +47,7 @@ import dataclasses
 import importlib
 import inspect
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -350,6 +351,33 @@ def describe_user_error(exc: BaseException) -> str:
         where = " <- ".join(f"{_short_path(f.filename)}:{f.lineno} in {f.name}" for f in reversed(frames[-3:]))
         text += f" (at {where})"
     return text
+
+
+_WORKER_ERROR = re.compile(r"^Caught (\w+) in DataLoader worker process (\d+)\.")
+_TB_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)', re.MULTILINE)
+
+
+def describe_worker_error(exc: BaseException) -> str | None:
+    """An exception a DataLoader worker raised, as the training process re-raises it (`Caught ValueError in
+    DataLoader worker process 0.` and the worker's traceback as text), in one line: the worker's own message
+    and its frames in the user's code, `ValueError: row 52 is unreadable (in DataLoader worker 0, at
+    task.py:20 in __getitem__)`; None for any other exception."""
+    # The message itself: str() of a KeyError is its repr, quoted, with the traceback's line breaks escaped.
+    text = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
+    m = _WORKER_ERROR.match(text.strip())
+    if m is None:
+        return None
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    last = lines[-1] if len(lines) > 1 else ""
+    message = last if last.startswith(m.group(1)) else m.group(1)
+    here = str(Path(__file__).resolve().parent)
+    frames = [(path, line, fn) for path, line, fn in _TB_FRAME.findall(text)
+              if not (str(Path(path).resolve()).startswith(here + os.sep) or "site-packages" in path
+                      or "dist-packages" in path or path.startswith("<"))]
+    where = f"in DataLoader worker {m.group(2)}"
+    if frames:
+        where += ", at " + " <- ".join(f"{_short_path(p)}:{ln} in {fn}" for p, ln, fn in reversed(frames[-3:]))
+    return f"{message} ({where})"
 
 
 def _short_path(path: str) -> str:

@@ -462,24 +462,63 @@ def test_undecodable_image_at_start_is_named(tmp_path, workers):
     assert not (tmp_path / "u").exists()  # refused before the run wrote anything
 
 
-def test_undecodable_image_mid_run_is_named_and_checkpoints_kept(tmp_path):
-    """A file first read at step 3 (known from the seeded order), from a DataLoader worker."""
-    from job.data import sample_ids
+def _first_read_at(files: list[Path], step: int, *, batch: int, pick: int = 0) -> Path:
+    """The file at position `pick` of step `step`'s batch (the seeded order of epoch 0, train.seed=0) that no
+    earlier step reads."""
+    from job.data import EpochOrder, sample_ids
 
+    order = EpochOrder(list(range(len(files))), seed=0)
+    earlier = {int(i) for g in range(step - 1) for i in order(sample_ids(g, batch))}
+    index = int(order(sample_ids(step - 1, batch))[pick])
+    assert index not in earlier, "the file is read earlier: pick another"
+    return files[index]
+
+
+def _final_weights(run: Path) -> dict:
+    return torch.load(checkpoints(run)[-1], map_location="cpu", weights_only=True)["model"]
+
+
+# (extra arguments, batch, where the damaged file sits in step 3's batch): one process with and without workers,
+# the prefetch thread, micro-batches (the second one of step 3 fails, inside the step), and two ddp ranks
+# (rank 1's share fails; rank 0's is fine).
+MID_RUN = {
+    "workers": (["data.workers=1"], 2, 0),
+    "no-workers": (["data.workers=0", "data.prefetch=false"], 2, 1),
+    "accum": (["data.workers=1", "train.accum_steps=2"], 2, 1),
+    "ddp": (["strategy=ddp", "strategy.nprocs=2", "data.workers=1"], 2, 1),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MID_RUN))
+def test_undecodable_image_mid_run_stops_with_a_checkpoint_and_resumes_exactly(tmp_path, case):
+    """A file first read at step 3 stops the run with one line naming it, exit 2, and a checkpoint of step 2
+    although train.checkpoint_every=4 (it used to lose the steps since the last one); with the file fixed, the
+    same command resumes from step 2 and ends with the weights of a run that never met the damaged file."""
+    extra, batch, pick = MID_RUN[case]
     _images(tmp_path / "imgs", {"cat": 4, "dog": 4})
     files = sorted((tmp_path / "imgs").rglob("*.png"))  # ImageFolder's order: class, then name
-    perm = torch.randperm(len(files), generator=torch.Generator().manual_seed(0 * 1000003 + 0))
-    first_two = {int(perm[i]) for g in (0, 1) for i in sample_ids(g, 2)}
-    later = next(int(perm[i]) for i in sample_ids(2, 2) if int(perm[i]) not in first_two)
-    bad = files[later]
+    args = [*IMG, f"data.path={tmp_path / 'imgs'}", f"train.batch_size={batch}", "train.steps=6",
+            "train.checkpoint_every=4", *extra]
+    whole = train(tmp_path, "whole", *args)
+    assert whole.returncode == 0, whole.stderr
+
+    bad = _first_read_at(files, 3, batch=batch, pick=pick)
     png = bad.read_bytes()
     bad.write_bytes(png[: len(png) // 2])  # truncated: opens, then fails to decode
-    p = train(tmp_path, "m", *IMG, f"data.path={tmp_path / 'imgs'}", "data.workers=1", "train.steps=6",
-              "train.checkpoint_every=1")
+    p = train(tmp_path, "m", *args)
     assert p.returncode == 2, p.stderr
     line = one_error(p.stderr)
-    assert f"cannot read image {bad}" in line, line
-    assert [c.name for c in checkpoints(tmp_path / "m")] == ["step_00000001.pt", "step_00000002.pt"]
+    assert line.startswith(f"error: {'rank 1 (cpu): ' if case == 'ddp' else ''}cannot read image {bad} ("), line
+    assert line.endswith("fix or remove the file; the run stopped at step 2 with a checkpoint there: the same "
+                         "command with train.run_id=m resumes from it"), line
+    assert [c.name for c in checkpoints(tmp_path / "m")] == ["step_00000002.pt"]
+
+    bad.write_bytes(png)
+    again = train(tmp_path, "m", *args)
+    assert again.returncode == 0, again.stderr
+    assert "at step 2 (sample 4)" in again.stderr, again.stderr
+    final, expected = _final_weights(tmp_path / "m"), _final_weights(tmp_path / "whole")
+    assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in final)
 
 
 def _two_ranks(cmds: list[list[str]], cwds: list[Path], env: dict, *, timeout: float):
@@ -611,3 +650,72 @@ def test_host_memory_arithmetic():
     avail = available_host_bytes()
     total = int(next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemTotal:")).split()[1])
     assert avail is not None and 0 < avail <= total * 1024
+
+
+FLAKY_TASK = '''
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from job.workload import Workload
+
+
+class Rows:
+    """64 seeded rows; row BAD raises while the file FLAG exists (a dataset's own error, not a UsageError)."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if int(i) == int(os.environ["BAD"]) and os.path.exists(os.environ["FLAG"]):
+            raise ValueError(f"row {int(i)} is unreadable")
+        x = torch.randn(8, generator=torch.Generator().manual_seed(int(i)))
+        return x, int(x.sum() > 0)
+
+
+workload = Workload(
+    model=lambda s: nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 2)),
+    loss=lambda out, y, reduction="mean": F.cross_entropy(out, y, reduction=reduction),
+    dataset=lambda s, request: Rows(), data_kinds=("csv",), unit="row",
+)
+'''
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_dataset_error_inside_a_step_checkpoints_the_step_before_with_its_random_state(tmp_path, workers):
+    """One process, train.accum_steps=2, a model with dropout: the dataset raises for a row of step 3's second
+    micro-batch, after the first one's forward drew from the random state. The run stops with a checkpoint of
+    step 2 (train.checkpoint_every=4), its line and the dataset's error; with the row readable again the same
+    command ends with the weights of a run that never failed: the step's random state was put back. (Before,
+    any resume with dropout drew differently: each DataLoader iterator took its seed from torch's global
+    generator.)"""
+    from job.data import EpochOrder, sample_ids
+
+    (tmp_path / "flaky_task.py").write_text(FLAKY_TASK)
+    order = EpochOrder(list(range(64)), seed=0)
+    bad = int(order(sample_ids(5, 4))[1])  # step 3, micro-batch 2 of 2 (4 rows each)
+    assert bad not in {int(i) for i in order(range(0, 20))}
+    flag = tmp_path / "broken"
+    env = {"BAD": str(bad), "FLAG": str(flag), "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    args = ["workload=flaky_task:workload", "data.kind=csv", f"data.path={tmp_path}", "train.batch_size=8",
+            "train.accum_steps=2", "train.steps=6", "train.checkpoint_every=4", f"data.workers={workers}",
+            "train.device=cpu", f"train.run_dir={tmp_path}"]
+    run = lambda run_id: subprocess.run(job_cmd("train", *args, f"train.run_id={run_id}"), cwd=ROOT,  # noqa: E731
+                                        capture_output=True, text=True, timeout=240, env={**os.environ, **env})
+    whole = run("whole")
+    assert whole.returncode == 0, whole.stderr
+    flag.write_text("")
+    p = run("m")
+    assert p.returncode == 1, p.stderr
+    assert ("the run stopped at step 2 with a checkpoint there: the same command with train.run_id=m resumes "
+            "from it; the error follows") in p.stderr, p.stderr
+    line = one_error(p.stderr)  # the dataset's own message, also from a worker (`Caught ValueError in ...` before)
+    assert line.startswith(f"error: ValueError: row {bad} is unreadable (") and "flaky_task.py:" in line, line
+    assert [c.name for c in checkpoints(tmp_path / "m")] == ["step_00000002.pt"]
+    flag.unlink()
+    again = run("m")
+    assert again.returncode == 0 and "at step 2 (sample 16)" in again.stderr, again.stderr
+    final, expected = _final_weights(tmp_path / "m"), _final_weights(tmp_path / "whole")
+    assert all(torch.equal(final[k], expected[k]) for k in expected)

@@ -295,3 +295,38 @@ def test_a_run_whose_auto_decoder_split_the_jpegs_says_both_are_the_limit():
     # The tuner stayed with the workers: the ordinary verdict, with its remedies
     assert input_verdict(0.2, 7.5, 1.2, workers=7, cores=8, gpu_share=0.0) == input_verdict(0.2, 7.5, 1.2, workers=7,
                                                                                              cores=8)
+
+
+class _Raises:
+    """A dataset whose every item raises `exc` (in a DataLoader worker, for the tests below)."""
+
+    def __init__(self, exc):
+        self.exc = exc
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        raise self.exc
+
+
+@pytest.mark.parametrize("exc, line", [
+    (ValueError("row 3 is unreadable"), "ValueError: row 3 is unreadable (in DataLoader worker 0, at "),
+    (KeyError("no row 3"), "KeyError: 'no row 3' (in DataLoader worker 0, at "),
+    (OSError(5, "Input/output error"), "OSError: [Errno 5] Input/output error (in DataLoader worker 0, at "),
+])
+def test_an_error_in_a_dataloader_worker_is_one_line_with_its_own_message(exc, line):
+    """DataLoader re-raises a worker's exception as `Caught ValueError in DataLoader worker process 0.` with the
+    traceback as text: the line used to say only that, the worker's message left in the traceback file."""
+    from torch.utils.data import DataLoader
+
+    from job.failure import describe
+
+    with pytest.raises(type(exc)) as e:
+        next(iter(DataLoader(_Raises(exc), num_workers=1)))
+    text, code = describe(e.value)
+    assert text.startswith(line) and text.endswith("test_data.py:" + str(_Raises.__getitem__.__code__.co_firstlineno + 1)
+                                                    + " in __getitem__)"), text
+    assert code == 1
+    plain = ValueError("Caught nothing")  # an exception of the training process itself: not a worker's
+    assert describe(plain)[0].startswith("ValueError: Caught nothing (at ")

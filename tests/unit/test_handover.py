@@ -181,7 +181,7 @@ def test_the_workers_run_at_the_training_processs_priority_lowered_by_data_worke
                                prefetch=False, persistent=persistent, nice=nice))
             assert {float(x.max()) for x, _ in got} == {float(want)}, (persistent, nice)
     for nice, want in ((7, min(19, base + 7)), (0, base)):
-        loader, move = _held_out_loader("t", Niceness(), _batches(4), workers=2, device=CPU, channels_last=False,
+        loader, move = _held_out_loader("t", Niceness(), _batches(4), workers=2, device=CPU, channels_last=False, seed=0,
                                         nice=nice)
         got = [move(b) for b in loader]
         assert {float(x.max()) for x, _ in got} == {float(want)}, ("held-out", nice)
