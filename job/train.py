@@ -490,6 +490,15 @@ class Trainer:
         else:
             torch.manual_seed(self.cfg.train.seed + 1 + self.env.rank + self.step)
         log.info("resumed from %s at step %d (sample %d)", path, self.step, self.sample_position)
+        was, now = state.get("train_samples"), self._train_samples()
+        if was is not None and now is not None and was != now:
+            log.warning("data: the training set holds %s samples, and %s when %s was written: from here on the run "
+                        "reads other samples than it would have (each epoch is a permutation of the set, and a file "
+                        "added or removed moves the ids of the files after it)", f"{now:,}", f"{was:,}", path.name)
+
+    def _train_samples(self) -> int | None:
+        """The training set's size (None for synthetic data): a checkpoint keeps it, a resume compares."""
+        return None if self.data.synthetic else len(self.data.train_set()[1])
 
     # -- the loop -------------------------------------------------------------------------------
     def fit(self) -> int:
@@ -765,6 +774,7 @@ class Trainer:
                 "data_position": self.sample_position // self.micro_batch,  # micro-batches, for older readers
                 "rng": rngs,
                 "world_size": self.env.world_size,
+                "train_samples": self._train_samples(),
                 "config": OmegaConf.to_container(self.cfg),
             }
             try:

@@ -719,3 +719,19 @@ def test_a_dataset_error_inside_a_step_checkpoints_the_step_before_with_its_rand
     assert again.returncode == 0 and "at step 2 (sample 16)" in again.stderr, again.stderr
     final, expected = _final_weights(tmp_path / "m"), _final_weights(tmp_path / "whole")
     assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def test_a_resume_says_when_the_training_set_changed_size(tmp_path):
+    """A checkpoint keeps the training set's size; a resume from a folder with a file more (or removed, as the
+    damaged-file line allows) says that the samples from there on differ. Unchanged, it says nothing."""
+    _images(tmp_path / "imgs", {"cat": 3, "dog": 3})
+    args = [*IMG, f"data.path={tmp_path / 'imgs'}", "train.final_checkpoint=true"]
+    assert train(tmp_path, "r", *args, "train.steps=2").returncode == 0
+    same = train(tmp_path, "r", *args, "train.steps=3")
+    assert same.returncode == 0 and "resumed from" in same.stderr and "the training set holds" not in same.stderr
+    _images(tmp_path / "more", {"cat": 4})
+    shutil.copy(tmp_path / "more" / "cat" / "3.png", tmp_path / "imgs" / "cat" / "3.png")
+    p = train(tmp_path, "r", *args, "train.steps=4")
+    assert p.returncode == 0, p.stderr
+    assert ("data: the training set holds 7 samples, and 6 when step_00000003.pt was written: from here on the run "
+            "reads other samples than it would have") in p.stderr, p.stderr
