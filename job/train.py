@@ -551,7 +551,7 @@ class Trainer:
             try:
                 self._step(poison=self._faults and failure.inject(self._faults, rank=self.env.rank,
                                                                   step=self.step + 1))
-            except _BatchFailed as f:  # one process: no peer is waiting in a collective
+            except _BatchFailed as f:  # every rank is here (a later micro-batch's vote), or there is one
                 self._stop_on_data_error(f.error)
             window.after_step(self.step)
             # Not finite: known for free on CPU, and after a device sync (log steps) on GPUs; every save
@@ -637,18 +637,24 @@ class Trainer:
         t = self._train
         self._set_lr()
         self.optimizer.zero_grad(set_to_none=True)
-        # One process checkpoints the last whole step when a micro-batch fails (_loop): its weights are still
-        # those, and its random state is put back to the step's start (the micro-batches before drew from it).
-        rng = ckpt.rng_state() if t.accum_steps > 1 and self.env.world_size == 1 else None
+        # A micro-batch that cannot be made stops the run at the last whole step (_loop checkpoints it): the
+        # weights are still those, and the random state is put back to the step's start (the micro-batches
+        # before drew from it). Under several ranks every later micro-batch is voted on, so all stop together.
+        rng = ckpt.rng_state() if t.accum_steps > 1 else None
         for micro in range(t.accum_steps):
+            failed = None
             try:
                 x, y = self._next_batch()
             except Exception as e:
-                if self.env.world_size > 1:  # a micro-batch after the first: the peers are already training
-                    raise
+                failed = e
+            if micro and self.env.world_size > 1:
+                stop = self.strategy.any(failed is not None)
+            else:
+                stop = failed is not None
+            if stop:
                 if rng is not None:
                     ckpt.set_rng_state(rng)
-                raise _BatchFailed(e) from e
+                raise _BatchFailed(failed)
             with self.strategy.backward_sync(micro == t.accum_steps - 1):
                 with self.precision.autocast():
                     with phases.mark("forward+loss"):
@@ -882,9 +888,10 @@ class Trainer:
 
 
 class _BatchFailed(Exception):
-    """Raised by Trainer._step when taking a micro-batch failed in a one-process run: `error` is why."""
+    """Raised by Trainer._step when a micro-batch could not be made: `error` is why (None on a rank whose own
+    micro-batch was fine, stopping with the rank that failed)."""
 
-    def __init__(self, error: BaseException):
+    def __init__(self, error: BaseException | None):
         super().__init__(str(error))
         self.error = error
 

@@ -462,16 +462,19 @@ def test_undecodable_image_at_start_is_named(tmp_path, workers):
     assert not (tmp_path / "u").exists()  # refused before the run wrote anything
 
 
-def _first_read_at(files: list[Path], step: int, *, batch: int, pick: int = 0) -> Path:
-    """The file at position `pick` of step `step`'s batch (the seeded order of epoch 0, train.seed=0) that no
-    earlier step reads."""
+def _first_read_at(files: list[Path], step: int, *, batch: int, pick: int = 0) -> tuple[int, Path]:
+    """(s, the file at position `pick` of step s's batch) for the first step s from `step` on whose file no
+    earlier step reads (the seeded order, train.seed=0), and that is not the first file (the start's check
+    reads it)."""
     from job.data import EpochOrder, sample_ids
 
     order = EpochOrder(list(range(len(files))), seed=0)
-    earlier = {int(i) for g in range(step - 1) for i in order(sample_ids(g, batch))}
-    index = int(order(sample_ids(step - 1, batch))[pick])
-    assert index not in earlier, "the file is read earlier: pick another"
-    return files[index]
+    for s in range(step, step + 4):
+        earlier = {int(i) for g in range(s - 1) for i in order(sample_ids(g, batch))}
+        index = int(order(sample_ids(s - 1, batch))[pick])
+        if index not in earlier and index != 0:
+            return s, files[index]
+    raise AssertionError("no step reads a new file there: use more files")
 
 
 def _final_weights(run: Path) -> dict:
@@ -480,43 +483,45 @@ def _final_weights(run: Path) -> dict:
 
 # (extra arguments, batch, where the damaged file sits in step 3's batch): one process with and without workers,
 # the prefetch thread, micro-batches (the second one of step 3 fails, inside the step), and two ddp ranks
-# (rank 1's share fails; rank 0's is fine).
+# (rank 1's share fails, rank 0's is fine; with micro-batches, rank 1's share of the second).
 MID_RUN = {
     "workers": (["data.workers=1"], 2, 0),
     "no-workers": (["data.workers=0", "data.prefetch=false"], 2, 1),
     "accum": (["data.workers=1", "train.accum_steps=2"], 2, 1),
     "ddp": (["strategy=ddp", "strategy.nprocs=2", "data.workers=1"], 2, 1),
+    "ddp-accum": (["strategy=ddp", "strategy.nprocs=2", "data.workers=1", "train.accum_steps=2"], 4, 3),
 }
 
 
 @pytest.mark.parametrize("case", sorted(MID_RUN))
 def test_undecodable_image_mid_run_stops_with_a_checkpoint_and_resumes_exactly(tmp_path, case):
-    """A file first read at step 3 stops the run with one line naming it, exit 2, and a checkpoint of step 2
-    although train.checkpoint_every=4 (it used to lose the steps since the last one); with the file fixed, the
-    same command resumes from step 2 and ends with the weights of a run that never met the damaged file."""
+    """A file first read at step 3 (or soon after) stops the run with one line naming it, exit 2, and a
+    checkpoint of the step before although train.checkpoint_every=4 (it used to lose the steps since the last
+    one); with the file fixed, the same command resumes from there and ends with the weights of a run that
+    never met the damaged file."""
     extra, batch, pick = MID_RUN[case]
-    _images(tmp_path / "imgs", {"cat": 4, "dog": 4})
+    _images(tmp_path / "imgs", {"cat": 8, "dog": 8})
     files = sorted((tmp_path / "imgs").rglob("*.png"))  # ImageFolder's order: class, then name
     args = [*IMG, f"data.path={tmp_path / 'imgs'}", f"train.batch_size={batch}", "train.steps=6",
             "train.checkpoint_every=4", *extra]
     whole = train(tmp_path, "whole", *args)
     assert whole.returncode == 0, whole.stderr
 
-    bad = _first_read_at(files, 3, batch=batch, pick=pick)
+    step, bad = _first_read_at(files, 3, batch=batch, pick=pick)
     png = bad.read_bytes()
     bad.write_bytes(png[: len(png) // 2])  # truncated: opens, then fails to decode
     p = train(tmp_path, "m", *args)
     assert p.returncode == 2, p.stderr
     line = one_error(p.stderr)
-    assert line.startswith(f"error: {'rank 1 (cpu): ' if case == 'ddp' else ''}cannot read image {bad} ("), line
-    assert line.endswith("fix or remove the file; the run stopped at step 2 with a checkpoint there: the same "
-                         "command with train.run_id=m resumes from it"), line
-    assert [c.name for c in checkpoints(tmp_path / "m")] == ["step_00000002.pt"]
+    assert line.startswith(f"error: {'rank 1 (cpu): ' if 'ddp' in case else ''}cannot read image {bad} ("), line
+    assert line.endswith(f"fix or remove the file; the run stopped at step {step - 1} with a checkpoint there: the "
+                         "same command with train.run_id=m resumes from it"), line
+    assert [c.name for c in checkpoints(tmp_path / "m")] == [f"step_{step - 1:08d}.pt"]
 
     bad.write_bytes(png)
     again = train(tmp_path, "m", *args)
     assert again.returncode == 0, again.stderr
-    assert "at step 2 (sample 4)" in again.stderr, again.stderr
+    assert f"at step {step - 1} (sample {(step - 1) * batch})" in again.stderr, again.stderr
     final, expected = _final_weights(tmp_path / "m"), _final_weights(tmp_path / "whole")
     assert final.keys() == expected.keys() and all(torch.equal(final[k], expected[k]) for k in final)
 
