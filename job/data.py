@@ -385,6 +385,16 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
                   tuner=tuner, timings=timings)
 
 
+class BatchFailed(Exception):
+    """A batch could not be made (a file that does not decode, a dataset's own error, a killed worker): `error`
+    is why, or None on a rank whose own batch was fine and that stops with a rank whose batch was not. The
+    trainer stops every rank at the last whole step with a checkpoint of it (job.train)."""
+
+    def __init__(self, error: BaseException | None):
+        super().__init__(str(error))
+        self.error = error
+
+
 class InputTimings:
     """Where the training thread's wait for a batch goes, in seconds since the stream started: `take`, taking the
     next batch from the DataLoader (waiting for the workers, and receiving it: the hand-over); `move_wait`,

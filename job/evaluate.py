@@ -5,7 +5,9 @@ its share of each held-out batch (fsdp needs every rank in every forward; a rank
 one sample and counts none), sums the workload's loss (reduction="sum") and its accuracy pair, and the sums
 are gathered. An evaluation leaves training as it was: the model goes back to train mode, no gradient is
 made, normalisation statistics do not move (eval mode), and the RNG state is restored (tested: the same
-weights with and without validation).
+weights with and without validation). A held-out batch that cannot be made (a file that does not decode)
+raises job.data.BatchFailed on every rank together, and the trainer stops at the step just trained, with a
+checkpoint of it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from job import workload as wl
+from job.data import BatchFailed
 
 
 class Evaluator:
@@ -37,11 +40,12 @@ class Evaluator:
         correct = torch.zeros((), dtype=torch.float64, device=self.device)
         counted, samples = 0.0, 0
         self.strategy.set_training(False)
+        batches = self.data.val_batches(batch=self.batch, limit=self.limit, rank=self.strategy.rank,
+                                        world=self.strategy.world_size, device=self.device,
+                                        channels_last=self.channels_last)
         try:
             with torch.no_grad(), self.precision.autocast():
-                for x, y, n in self.data.val_batches(batch=self.batch, limit=self.limit, rank=self.strategy.rank,
-                                                     world=self.strategy.world_size, device=self.device,
-                                                     channels_last=self.channels_last):
+                for x, y, n in _voted(batches, self.strategy):
                     out = self.strategy.eval_output(x)
                     if n == 0:  # this rank only took part in the forward
                         continue
@@ -71,3 +75,20 @@ class Evaluator:
     def line(val: dict) -> str:
         acc = f"  accuracy {val['val_accuracy'] * 100:.2f} %" if val.get("val_accuracy") is not None else ""
         return f"step {val['step']}  validation: loss {val['val_loss']:.4f}{acc}  ({val['val_samples']:,} held-out samples)"
+
+
+def _voted(batches, strategy):
+    """The held-out batches; one that cannot be made raises BatchFailed. Under several ranks (which all take
+    the same number of batches) the ranks vote after each batch, so all stop together, before a forward that
+    fsdp's collectives would make the others wait in."""
+    while True:
+        failed, item = None, None
+        try:
+            item = next(batches)
+        except StopIteration:
+            return
+        except Exception as e:
+            failed = e
+        if strategy.any(failed is not None) if strategy.world_size > 1 else failed is not None:
+            raise BatchFailed(failed)
+        yield item

@@ -29,7 +29,7 @@ from job import breakdown, config, failure, launch, memplan, phases, recompute, 
 from job import checkpoint as ckpt
 from job import workload as wl
 from job.config import summary
-from job.data import Data, SplitTuner, process_cpu_s, usable_cores
+from job.data import BatchFailed, Data, SplitTuner, process_cpu_s, usable_cores
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
 from job.evaluate import Evaluator
 from job.models import human, param_count
@@ -551,13 +551,16 @@ class Trainer:
             try:
                 self._step(poison=self._faults and failure.inject(self._faults, rank=self.env.rank,
                                                                   step=self.step + 1))
-            except _BatchFailed as f:  # every rank is here (a later micro-batch's vote), or there is one
+            except BatchFailed as f:  # every rank is here (a later micro-batch's vote), or there is one
                 self._stop_on_data_error(f.error)
             window.after_step(self.step)
             # Not finite: known for free on CPU, and after a device sync (log steps) on GPUs; every save
             # checks again with all ranks before writing.
             bad = self.device.type == "cpu" and not math.isfinite(self._loss_sum.item())
-            bad = self._log_if_due() or bad
+            try:
+                bad = self._log_if_due() or bad
+            except BatchFailed as f:  # a held-out batch (Evaluator.run): every rank is here
+                self._stop_on_data_error(f.error)
             self._bad_loss = self._bad_loss or bad
             if self.telemetry is not None:  # samples this rank trained on, so a sum over ranks is right
                 self.telemetry.observe_step(time.perf_counter() - step_start, rank_samples, self._last_loss)
@@ -654,7 +657,7 @@ class Trainer:
             if stop:
                 if rng is not None:
                     ckpt.set_rng_state(rng)
-                raise _BatchFailed(failed)
+                raise BatchFailed(failed)
             with self.strategy.backward_sync(micro == t.accum_steps - 1):
                 with self.precision.autocast():
                     with phases.mark("forward+loss"):
@@ -885,15 +888,6 @@ class Trainer:
         del self.model, self.optimizer, self.batches
         gc.collect()
         launch.destroy_group()
-
-
-class _BatchFailed(Exception):
-    """Raised by Trainer._step when a micro-batch could not be made: `error` is why (None on a rank whose own
-    micro-batch was fine, stopping with the rank that failed)."""
-
-    def __init__(self, error: BaseException | None):
-        super().__init__(str(error))
-        self.error = error
 
 
 def _plain(section):

@@ -740,3 +740,33 @@ def test_a_resume_says_when_the_training_set_changed_size(tmp_path):
     assert p.returncode == 0, p.stderr
     assert ("data: the training set holds 7 samples, and 6 when step_00000003.pt was written: from here on the run "
             "reads other samples than it would have") in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_held_out_file_that_does_not_decode_stops_with_a_checkpoint_of_the_step(tmp_path, ranks):
+    """The held-out folder's second file (the start's check reads only the first) fails at the first evaluation
+    (step 2): one line naming it, exit 2, a checkpoint of step 2 although train.checkpoint_every=4; under two
+    ranks the line comes from rank 1, whose share of the first held-out batch it is. Fixed, the same command
+    ends with the weights of a run that never met it."""
+    _images(tmp_path / "imgs", {"cat": 4, "dog": 4})
+    _images(tmp_path / "val", {"cat": 2, "dog": 2})
+    args = [*IMG, f"data.path={tmp_path / 'imgs'}", f"data.val_path={tmp_path / 'val'}", "eval.every=2",
+            "train.steps=4", "train.checkpoint_every=4", "data.workers=1",
+            *(["strategy=ddp", "strategy.nprocs=2"] if ranks == 2 else [])]
+    whole = train(tmp_path, "whole", *args)
+    assert whole.returncode == 0 and "step 2  validation" in whole.stderr, whole.stderr
+    bad = sorted((tmp_path / "val").rglob("*.png"))[1]
+    png = bad.read_bytes()
+    bad.write_bytes(png[: len(png) // 2])
+    p = train(tmp_path, "v", *args)
+    assert p.returncode == 2, p.stderr
+    line = one_error(p.stderr)
+    assert line.startswith(f"error: {'rank 1 (cpu): ' if ranks == 2 else ''}cannot read image {bad} ("), line
+    assert line.endswith("the run stopped at step 2 with a checkpoint there: the same command with "
+                         "train.run_id=v resumes from it"), line
+    assert [c.name for c in checkpoints(tmp_path / "v")] == ["step_00000002.pt"]
+    bad.write_bytes(png)
+    again = train(tmp_path, "v", *args)
+    assert again.returncode == 0 and "at step 2 (sample 4)" in again.stderr, again.stderr
+    final, expected = _final_weights(tmp_path / "v"), _final_weights(tmp_path / "whole")
+    assert all(torch.equal(final[k], expected[k]) for k in expected)
