@@ -5,6 +5,8 @@ checkpoint that does not fit); the message names the problem and the fix. `pytho
 `error: <message>` and exits 2 without a traceback.
 """
 
+import re
+
 EXIT_OK = 0
 EXIT_USAGE = 2
 # A run stopped by SIGTERM/SIGUSR1/SIGUSR2 after writing its checkpoint: EX_TEMPFAIL ("try again"),
@@ -13,7 +15,20 @@ EXIT_INTERRUPTED = 75
 
 
 class UsageError(Exception):
-    """Bad input the user can fix; printed as one line, exit code 2."""
+    """Bad input the user can fix; printed as one line, exit code 2.
+
+    Raised in a DataLoader worker, it reaches the training process rebuilt from one message holding the
+    worker's traceback (`Caught UsageError in DataLoader worker process 0.` ... `UsageError: <line>`): the
+    constructor keeps the worker's own line."""
+
+    def __init__(self, *args):
+        text = args[0] if len(args) == 1 and isinstance(args[0], str) else ""
+        if text.startswith("Caught ") and "Original Traceback" in text:
+            name = text.split()[1]  # the traceback's last line names it with its module: job.errors.UsageError
+            own = re.findall(rf"^(?:[\w.]+\.)?{re.escape(name)}: (.*)$", text, re.MULTILINE)
+            if own:
+                args = (own[-1].strip(),)
+        super().__init__(*args)
 
 
 class PeerUsageError(UsageError):

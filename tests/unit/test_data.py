@@ -4,6 +4,7 @@ data set are visited, so that a resumed, re-split or re-accumulated run sees the
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -330,3 +331,54 @@ def test_an_error_in_a_dataloader_worker_is_one_line_with_its_own_message(exc, l
     assert code == 1
     plain = ValueError("Caught nothing")  # an exception of the training process itself: not a worker's
     assert describe(plain)[0].startswith("ValueError: Caught nothing (at ")
+
+
+TRUNCATED_READ = r"""
+import sys
+import numpy as np
+from torch.utils.data import DataLoader
+from job.datasets import TokenFile
+from job.errors import UsageError
+
+path, workers = sys.argv[1], int(sys.argv[2])
+np.arange(1 << 16, dtype=np.uint16).tofile(path)
+ds = TokenFile(path, seq_len=1023, vocab=1 << 16)
+ds[0]  # the first sample opens nothing new: the map's own descriptor answers
+open(path, "wb").close()  # rewritten in place: truncated first
+try:
+    if workers:
+        next(iter(DataLoader(ds, batch_size=2, sampler=[60, 61], num_workers=workers)))
+    else:
+        ds[60]
+except UsageError as e:
+    print(f"error: {e}")
+    sys.exit(2)
+"""
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_token_file_that_shrinks_while_mapped_is_one_line_not_a_bus_error(tmp_path, workers):
+    """A token file rewritten in place while a run maps it: reading a page past its new end killed the process
+    with SIGBUS (exit -7, no line, no checkpoint). Now the sample's read says so in one line (from a worker
+    too: UsageError keeps the worker's own line), which the trainer turns into a stop with a checkpoint."""
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", TRUNCATED_READ, str(tmp_path / "t.bin"), str(workers)],
+                       capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert p.returncode == 2, (p.returncode, p.stderr[-2000:])
+    assert p.stdout.strip() == (f"error: token file {tmp_path / 't.bin'} shrank from 131,072 to 0 bytes while the "
+                                "run read it (rewritten in place?); write new data to another file and point "
+                                "data.path at it, or put the old file back"), p.stdout
+
+
+def test_a_usage_error_from_a_dataloader_worker_keeps_its_own_line():
+    from torch.utils.data import DataLoader
+
+    from job.datasets import BadImage
+    from job.errors import UsageError
+
+    for exc in (UsageError("data.path x is wrong; fix it"), BadImage("cannot read image a.png (bad); fix or remove")):
+        with pytest.raises(type(exc)) as e:
+            next(iter(DataLoader(_Raises(exc), num_workers=1)))
+        assert str(e.value) == str(exc)
