@@ -366,6 +366,7 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
     it = iter(loader)
     if workers:
         _WITH_WORKERS.add(it)
+        _defer_worker_deaths()
     try:
         first = next(it)
     except StopIteration:
@@ -519,6 +520,7 @@ class Stream:
         return self
 
     def __next__(self):
+        dead_worker()
         if self.tuner is None or self.tuner.done:
             x, y = next(self.it)
             self.taken += len(x)
@@ -802,6 +804,39 @@ def _worker_sigterm(signum, frame) -> None:
     timer = threading.Timer(WORKER_GRACE_S, os._exit, args=(0,))
     timer.daemon = True
     timer.start()
+
+
+_WORKER_DEATH: list[str] = []  # torch's line for a DataLoader worker that died, until a batch is taken
+
+
+def _defer_worker_deaths() -> None:
+    """torch's SIGCHLD handler raises "DataLoader worker (pid N) is killed by signal: Killed." in the main
+    thread wherever it is: in the middle of a forward, a backward or an optimizer step, where the weights
+    may be half updated and no checkpoint can be trusted. Wrapped, the death is only noted here, and the
+    training stream raises it when the next batch is taken (`dead_worker`), between steps, where the trainer
+    stops with a checkpoint of the last whole step. (The DataLoader also finds the dead worker itself when
+    that worker's batch does not come within 5 s.) A note left by an earlier stream's workers is dropped."""
+    _WORKER_DEATH.clear()
+    current = signal.getsignal(signal.SIGCHLD)
+    if not callable(current) or getattr(current, "job_defers", False) or \
+            threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, frame):
+        try:
+            current(signum, frame)
+        except RuntimeError as e:
+            if not _WORKER_DEATH:
+                _WORKER_DEATH.append(str(e))
+
+    handler.job_defers = True
+    signal.signal(signal.SIGCHLD, handler)
+
+
+def dead_worker() -> None:
+    """Raise the death of a DataLoader worker that _defer_worker_deaths noted (once)."""
+    if _WORKER_DEATH:
+        raise RuntimeError(_WORKER_DEATH.pop())
 
 
 def shutdown_workers() -> None:

@@ -94,9 +94,22 @@ def describe(exc: BaseException) -> tuple[str, int]:
     worker = describe_worker_error(exc)
     if worker:  # raised in a DataLoader worker: its message and frames, which the re-raise turned into text
         return worker, EXIT_CRASH
+    died = _WORKER_DIED.search(first_line(exc)) if isinstance(exc, RuntimeError) else None
+    if died:  # torch's line for a worker gone without a Python error
+        signal_name = died.group(2) or ""
+        how = f"was killed by signal ({signal_name})" if signal_name else "exited unexpectedly"
+        why = ("a file it read shrank while mapped, or shared memory (/dev/shm) ran out: give the container a "
+               "larger --shm-size" if signal_name == "Bus error" else
+               "killed from outside, or the host ran out of memory (the kernel's OOM killer; `dmesg` says): if "
+               "memory is short, lower data.workers")
+        return f"DataLoader worker (pid {died.group(1)}) {how}: {why}", EXIT_CRASH
     if user_frames(exc):  # raised in the user's workload code: their file and line, not ours
         return describe_user_error(exc), EXIT_CRASH
     return f"{type(exc).__name__}: {first_line(exc)} (at {_where(exc)})", EXIT_CRASH
+
+
+_WORKER_DIED = re.compile(r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) "
+                          r"(?:exited unexpectedly|is killed by signal: ([\w ]+?))\.?\s*$")
 
 
 def _unresolved(exc: BaseException) -> str:

@@ -770,3 +770,42 @@ def test_a_held_out_file_that_does_not_decode_stops_with_a_checkpoint_of_the_ste
     assert again.returncode == 0 and "at step 2 (sample 4)" in again.stderr, again.stderr
     final, expected = _final_weights(tmp_path / "v"), _final_weights(tmp_path / "whole")
     assert all(torch.equal(final[k], expected[k]) for k in expected)
+
+
+def _worker_pids(pid: int) -> list[int]:
+    """The DataLoader workers of process `pid`: its children other than torch's shared-memory manager."""
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(k) for k in kids if b"torch_shm_manager" not in Path(f"/proc/{k}/cmdline").read_bytes()]
+
+
+def test_a_killed_dataloader_worker_stops_the_run_with_a_checkpoint(tmp_path):
+    """A worker killed (the OOM killer's SIGKILL) mid-run: torch's SIGCHLD handler used to raise in the middle of
+    whatever the training thread ran (a forward, an optimizer step), so the run died without a checkpoint. Now
+    the death is raised when the next batch is taken: exit 1, one line naming the worker and the likely cause,
+    a checkpoint of the last whole step (train.checkpoint_every is far away), and the same command resumes."""
+    _images(tmp_path / "imgs", {"cat": 8, "dog": 8})
+    # A model much slower than its input (the worker's read-ahead stays full), so the death lands while the
+    # training thread is in the model, not waiting for a batch (where the old handler's raise was caught too).
+    args = [*IMG, f"data.path={tmp_path / 'imgs'}", "data.workers=1", "workload.width=96", "workload.image_size=48",
+            "train.batch_size=8", "train.steps=100000", "train.checkpoint_every=100000", "train.log_every=5"]
+    p = start(tmp_path, "k", *args)
+    try:
+        for line in p.stderr:
+            if line.startswith("step 10/"):
+                break
+        workers = _worker_pids(p.pid)
+        assert len(workers) == 1, workers
+        os.kill(workers[0], signal.SIGKILL)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 1, err
+    line = one_error(err)
+    assert re.match(rf"error: DataLoader worker \(pid {workers[0]}\) (was killed by signal \(Killed\)|exited "
+                    r"unexpectedly): killed from outside, or the host ran out of memory", line), line
+    saved = checkpoints(tmp_path / "k")
+    assert len(saved) == 1 and f"the run stopped at step {int(saved[0].stem.split('_')[1])} with a checkpoint there" \
+        in err, err
+    again = train(tmp_path, "k", *args[:-3], "train.steps=" + str(int(saved[0].stem.split("_")[1]) + 2))
+    assert again.returncode == 0 and "resumed from" in again.stderr, again.stderr
