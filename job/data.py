@@ -396,6 +396,22 @@ class BatchFailed(Exception):
         self.error = error
 
 
+def take_or_stop(take, strategy, *, vote: bool):
+    """`take()`'s batch; BatchFailed where it raised. With `vote`, under several ranks, the ranks vote after
+    taking (one small CPU collective), so all raise BatchFailed together: `error` None on those whose own
+    batch was fine. StopIteration passes through."""
+    failed = batch = None
+    try:
+        batch = take()
+    except StopIteration:
+        raise
+    except Exception as e:
+        failed = e
+    if strategy.any(failed is not None) if vote and strategy.world_size > 1 else failed is not None:
+        raise BatchFailed(failed)
+    return batch
+
+
 class InputTimings:
     """Where the training thread's wait for a batch goes, in seconds since the stream started: `take`, taking the
     next batch from the DataLoader (waiting for the workers, and receiving it: the hand-over); `move_wait`,

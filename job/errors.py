@@ -22,13 +22,25 @@ class UsageError(Exception):
     constructor keeps the worker's own line."""
 
     def __init__(self, *args):
-        text = args[0] if len(args) == 1 and isinstance(args[0], str) else ""
-        if text.startswith("Caught ") and "Original Traceback" in text:
-            name = text.split()[1]  # the traceback's last line names it with its module: job.errors.UsageError
-            own = re.findall(rf"^(?:[\w.]+\.)?{re.escape(name)}: (.*)$", text, re.MULTILINE)
-            if own:
-                args = (own[-1].strip(),)
+        found = worker_reraise(args[0]) if len(args) == 1 and isinstance(args[0], str) else None
+        if found is not None and found[2] is not None:
+            args = (found[2],)
         super().__init__(*args)
+
+
+_WORKER_RERAISE = re.compile(r"^Caught (\w+) in DataLoader worker process (\d+)\.")
+
+
+def worker_reraise(text: str) -> tuple[str, str, str | None] | None:
+    """(exception name, worker number, the worker's own message) of a message DataLoader rebuilt from a
+    worker's exception (`Caught ValueError in DataLoader worker process 0.`, the worker's traceback, and its
+    last line `ValueError: <message>`, or with the module: `job.errors.UsageError: <message>`); the message
+    is None where that line is missing; None for any other text."""
+    m = _WORKER_RERAISE.match(text.strip())
+    if m is None:
+        return None
+    own = re.findall(rf"^(?:[\w.]+\.)?{re.escape(m.group(1))}: (.*)$", text, re.MULTILINE)
+    return m.group(1), m.group(2), own[-1].strip() if own else None
 
 
 class PeerUsageError(UsageError):

@@ -6,7 +6,7 @@ one sample and counts none), sums the workload's loss (reduction="sum") and its 
 are gathered. An evaluation leaves training as it was: the model goes back to train mode, no gradient is
 made, normalisation statistics do not move (eval mode), and the RNG state is restored (tested: the same
 weights with and without validation). A held-out batch that cannot be made (a file that does not decode)
-raises job.data.BatchFailed on every rank together, and the trainer stops at the step just trained, with a
+raises job.data.BatchFailed on every rank together (take_or_stop), and the trainer stops at the step just trained, with a
 checkpoint of it.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from job import workload as wl
-from job.data import BatchFailed
+from job.data import take_or_stop
 
 
 class Evaluator:
@@ -82,13 +82,7 @@ def _voted(batches, strategy):
     the same number of batches) the ranks vote after each batch, so all stop together, before a forward that
     fsdp's collectives would make the others wait in."""
     while True:
-        failed, item = None, None
         try:
-            item = next(batches)
+            yield take_or_stop(lambda: next(batches), strategy, vote=True)
         except StopIteration:
             return
-        except Exception as e:
-            failed = e
-        if strategy.any(failed is not None) if strategy.world_size > 1 else failed is not None:
-            raise BatchFailed(failed)
-        yield item

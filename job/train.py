@@ -29,7 +29,7 @@ from job import breakdown, config, failure, launch, memplan, phases, recompute, 
 from job import checkpoint as ckpt
 from job import workload as wl
 from job.config import summary
-from job.data import BatchFailed, Data, SplitTuner, process_cpu_s, usable_cores
+from job.data import BatchFailed, Data, SplitTuner, process_cpu_s, take_or_stop, usable_cores
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
 from job.evaluate import Evaluator
 from job.models import human, param_count
@@ -645,19 +645,12 @@ class Trainer:
         # before drew from it). Under several ranks every later micro-batch is voted on, so all stop together.
         rng = ckpt.rng_state() if t.accum_steps > 1 else None
         for micro in range(t.accum_steps):
-            failed = None
             try:
-                x, y = self._next_batch()
-            except Exception as e:
-                failed = e
-            if micro and self.env.world_size > 1:
-                stop = self.strategy.any(failed is not None)
-            else:
-                stop = failed is not None
-            if stop:
+                x, y = take_or_stop(self._next_batch, self.strategy, vote=micro > 0)
+            except BatchFailed:
                 if rng is not None:
                     ckpt.set_rng_state(rng)
-                raise BatchFailed(failed)
+                raise
             with self.strategy.backward_sync(micro == t.accum_steps - 1):
                 with self.precision.autocast():
                     with phases.mark("forward+loss"):

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from job.errors import UsageError
+from job.errors import UsageError, worker_reraise
 
 ENTRY_POINT_GROUP = "trainjob.workloads"
 BUILTIN = {
@@ -327,18 +327,20 @@ _OURS = (os.sep + "job" + os.sep,)
 def user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
     """The frames of `exc`'s traceback in the user's code: not this package, not the standard library, not
     installed packages (torch...)."""
-    frames = traceback.extract_tb(exc.__traceback__)
+    return [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_file(f.filename)]
+
+
+def _is_user_file(filename: str) -> bool:
+    """Whether a traceback's file is the user's: not this package, not the standard library, not installed
+    packages (torch...), not generated code (`<string>`)."""
+    if filename.startswith("<"):
+        return False
+    path = str(Path(filename).resolve())
     here = str(Path(__file__).resolve().parent)
-    skip = {str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
-    out = []
-    for f in frames:
-        path = str(Path(f.filename).resolve()) if not f.filename.startswith("<") else f.filename
-        if path.startswith(here + os.sep) or f.filename.startswith("<") or "site-packages" in path or "dist-packages" in path:
-            continue
-        if any(path.startswith(s + os.sep + "lib") for s in skip):
-            continue
-        out.append(f)
-    return out
+    if path.startswith(here + os.sep) or "site-packages" in path or "dist-packages" in path:
+        return False
+    prefixes = {str(Path(p).resolve()) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    return not any(path.startswith(p + os.sep + "lib") for p in prefixes)
 
 
 def describe_user_error(exc: BaseException) -> str:
@@ -353,7 +355,6 @@ def describe_user_error(exc: BaseException) -> str:
     return text
 
 
-_WORKER_ERROR = re.compile(r"^Caught (\w+) in DataLoader worker process (\d+)\.")
 _TB_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+), in (\S+)', re.MULTILINE)
 
 
@@ -364,20 +365,15 @@ def describe_worker_error(exc: BaseException) -> str | None:
     task.py:20 in __getitem__)`; None for any other exception."""
     # The message itself: str() of a KeyError is its repr, quoted, with the traceback's line breaks escaped.
     text = exc.args[0] if exc.args and isinstance(exc.args[0], str) else str(exc)
-    m = _WORKER_ERROR.match(text.strip())
-    if m is None:
+    found = worker_reraise(text)
+    if found is None:
         return None
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    last = lines[-1] if len(lines) > 1 else ""
-    message = last if last.startswith(m.group(1)) else m.group(1)
-    here = str(Path(__file__).resolve().parent)
-    frames = [(path, line, fn) for path, line, fn in _TB_FRAME.findall(text)
-              if not (str(Path(path).resolve()).startswith(here + os.sep) or "site-packages" in path
-                      or "dist-packages" in path or path.startswith("<"))]
-    where = f"in DataLoader worker {m.group(2)}"
+    name, worker, message = found
+    frames = [(path, line, fn) for path, line, fn in _TB_FRAME.findall(text) if _is_user_file(path)]
+    where = f"in DataLoader worker {worker}"
     if frames:
         where += ", at " + " <- ".join(f"{_short_path(p)}:{ln} in {fn}" for p, ln, fn in reversed(frames[-3:]))
-    return f"{message} ({where})"
+    return f"{name}: {message} ({where})" if message is not None else f"{name} ({where})"
 
 
 def _short_path(path: str) -> str:
