@@ -335,15 +335,18 @@ class _BatchSampler:
 
 def _hooks(name: str, ds, device: torch.device, channels_last: bool):
     """(collate, move) for batches of `ds`: the dataset's own `collate` and `to_device` (job.workload) where it
-    has them, else torch's default_collate and a plain copy; `move` also applies train.channels_last."""
+    has them, else torch's default_collate and a plain copy; `move` also applies train.channels_last (and
+    tells a to_device with a `memory_format` keyword, which can write its batch in that layout at once)."""
     from torch.utils.data import default_collate
 
     collate = getattr(ds, "collate", None) or default_collate
     to_device = getattr(ds, "to_device", None)
+    layout = {"memory_format": torch.channels_last if channels_last else torch.contiguous_format} \
+        if to_device is not None and _takes(to_device, "memory_format") else {}
 
     def move(batch):
         if to_device is not None:
-            batch = wl.call(f"workload `{name}`: dataset.to_device", to_device, batch, device)
+            batch = wl.call(f"workload `{name}`: dataset.to_device", to_device, batch, device, **layout)
             x, y = _check_pair(name, "dataset.to_device", batch, _rows(batch))
         else:
             x, y = batch
@@ -351,6 +354,16 @@ def _hooks(name: str, ds, device: torch.device, channels_last: bool):
         return _format(x, channels_last), y
 
     return collate, move
+
+
+def _takes(fn, keyword: str) -> bool:
+    """Whether fn takes `keyword` (a dataset's to_device that writes its batch in train.channels_last's layout)."""
+    import inspect
+
+    try:
+        return keyword in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a signature Python can read
+        return False
 
 
 def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device, channels_last: bool, prefetch: bool,
@@ -882,7 +895,11 @@ def _rows(batch) -> int:
 
 
 def _format(x: torch.Tensor, channels_last: bool) -> torch.Tensor:
-    return x.contiguous(memory_format=torch.channels_last) if channels_last and x.dim() == 4 else x
+    """A 4-d batch in train.channels_last's layout: channels-last, or torch's default (contiguous) one, whatever
+    layout the batch crossed in (the workers' image batches cross channels-last)."""
+    if x.dim() != 4:
+        return x
+    return x.contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
 
 class Prefetcher:

@@ -112,8 +112,10 @@ class Workload:
     path to the model: `collate(items) -> batch` (the DataLoader's collate_fn; default torch's
     default_collate) and `to_device(batch, device) -> (x, y)` (run in the training process; with
     data.prefetch on a background thread, on a side CUDA stream, one batch ahead: draw any randomness from
-    the samples' seeds, not a global generator; default: each tensor copied as it is). job.datasets.ImageFolder uses them to
-    send uint8 pixels, or undecoded JPEGs, and finish the work on the GPU."""
+    the samples' seeds, not a global generator; default: each tensor copied as it is). A to_device with a
+    `memory_format` keyword is given train.channels_last's layout (torch.channels_last or
+    torch.contiguous_format), to write a 4-d x in it at once; x is put in that layout after it either way.
+    job.datasets.ImageFolder uses them to send uint8 pixels, or undecoded JPEGs, and finish the work on the GPU."""
     data_kinds: tuple[str, ...] = ()
     """The data.kind values `dataset` reads (e.g. ("tokens",), ("imagefolder",), ("csv",))."""
     blocks: Callable[..., Sequence[Any]] | None = None

@@ -15,9 +15,11 @@ Per-process rates are one process alone; the GPU rate is the whole card's. `--pr
 workers can feed, and which grows less than the per-process rate times P where processes share a core's
 hyper-threads, memory bandwidth or a lower all-core clock.
 
-It also times the hand-over: the training process's own CPU time to receive one batch of B from a DataLoader
-worker, for `cpu` (decoded pixels) and `gpu` (the files' bytes and crops): time spent in the process whose
-thread launches the model's kernels.
+It also times the hand-over from one DataLoader worker, for `cpu` (decoded pixels), `auto` (data.decode=auto's
+batches while none of their JPEGs is on the GPU: decoded pixels through its own collate) and `gpu` (the files'
+bytes and crops): the training process's own CPU time to receive a batch of B (time spent in the process
+whose thread launches the model's kernels), and the worker's CPU time to make it (its samples, the collate and
+its side of the hand-over: what a run's workers must make B times a step, read from /proc where there is one).
 """
 
 from __future__ import annotations
@@ -90,18 +92,19 @@ def _together(fn, n: int, procs: int) -> tuple[float, float]:
     return procs * n / max(total, 1e-9), n / max(max(end - t for t, end, _ in results), 1e-9)
 
 
-def _handover_ms(ds, ids: list, batch: int) -> float | None:
-    """The training process's CPU time (ms) per batch of `batch` read from one DataLoader worker through the
-    training stream's hand-over (job.handover's slots where the batch is an (x, y) pair), copied out of the
-    slot (into pinned memory on a GPU) and, on a GPU, queued for its copy to the card: the process's own
-    threads' user and system time (the pinning thread's too; the worker's is not counted, and waiting for it
-    costs none), over every batch after the first (which includes the worker's start)."""
+def _handover_ms(ds, ids: list, batch: int) -> tuple[float, float | None] | None:
+    """(the training process's CPU ms, the worker's CPU ms) per batch of `batch` read from one DataLoader worker
+    through the training stream's hand-over (job.handover's slots where the batch is an (x, y) pair), copied
+    out of the slot (into pinned memory on a GPU) and, on a GPU, queued for its copy to the card. The first:
+    the process's own threads' user and system time (the pinning thread's too; waiting for the worker costs
+    none), over every batch after the first (which includes the worker's start). The second: the worker's
+    whole CPU time over all its batches, read once it has made the last (None without /proc)."""
     import resource
 
     import torch
     from torch.utils.data import DataLoader
 
-    from job.data import PREFETCH_FACTOR, _through_slots
+    from job.data import PREFETCH_FACTOR, _through_slots, process_cpu_s
 
     batches = [ids[j:j + batch] for j in range(0, len(ids) - batch + 1, batch)]
     if len(batches) < 2:
@@ -124,9 +127,11 @@ def _handover_ms(ds, ids: list, batch: int) -> float | None:
         return r.ru_utime + r.ru_stime
 
     start = cpu_s()
-    for b in it:
-        move(b)
-    return (cpu_s() - start) / (len(batches) - 1) * 1e3
+    for _ in range(len(batches) - 1):
+        move(next(it))
+    main_ms = (cpu_s() - start) / (len(batches) - 1) * 1e3
+    worker = process_cpu_s(it._workers[0].pid)  # alive until the loader is done with
+    return main_ms, (worker / len(batches) * 1e3 if worker is not None else None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     from torchvision import transforms
 
     from job.bench.imagefolder import SHORT_SIDES, image_folder, images_dir_name
-    from job.datasets import MEAN, STD, EncodedBatch, ImageFolder, SampleIndex, load_image
+    from job.datasets import MEAN, STD, EncodedBatch, GpuSplit, ImageFolder, SampleIndex, load_image
 
     p = argparse.ArgumentParser(prog="python -m job.bench.decoders", description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=512)
@@ -162,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)  # one worker's view: rates are per process
     ds = {d: ImageFolder(folder["path"], image_size=a.size, num_classes=10, augment=True, decode=d)
           for d in ("cpu", "gpu")}
+    auto = ImageFolder(folder["path"], image_size=a.size, num_classes=10, augment=True, gpu_split=GpuSplit())
     ids = [SampleIndex(i, i, 0) for i in range(min(a.images, len(ds["cpu"])))]
     n = len(ids)
     classic = transforms.Compose([transforms.RandomResizedCrop(a.size, antialias=True), transforms.RandomHorizontalFlip(),
@@ -189,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
 
         rows.append(("gpu", f"nvJPEG batches of {a.batch} + crops on {torch.cuda.get_device_name(0)}", _rate(gpu, n)))
     together = [(k, *_together(cpu, n, k)) for k in procs]
-    handover = {d: _handover_ms(ds[d], ids, a.batch) for d in ("cpu", "gpu")}
+    handover = {d: _handover_ms(d_ds, ids, a.batch) for d, d_ds in (("cpu", ds["cpu"]), ("auto", auto), ("gpu", ds["gpu"]))}
     side = f", a short side of {a.short_side} px" if a.short_side else ""
     print(f"decoders: {n} of {folder['images']} generated JPEG files ({folder['bytes'] / folder['images'] / 1e3:.0f} kB "
           f"on average{side}) -> {a.size}x{a.size} training samples; img/s, median (min-max) of 3")
@@ -201,7 +207,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{k} process{'es' if k > 1 else ''} at once, as data.workers={k}")
     if None not in handover.values():
         print(f"hand-over, the training process's CPU per batch of {a.batch} from a worker: "
-              f"cpu {handover['cpu']:.1f} ms, gpu {handover['gpu']:.1f} ms")
+              + ", ".join(f"{d} {main_ms:.1f} ms" for d, (main_ms, _) in handover.items()))
+        if all(w is not None for _, w in handover.values()):
+            print(f"the worker's CPU per batch of {a.batch} (its samples, collate and hand-over): "
+                  + ", ".join(f"{d} {w:.1f} ms ({w / a.batch * 1e3:.0f} us an image)" for d, (_, w) in handover.items()))
     return 0
 
 

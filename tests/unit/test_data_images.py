@@ -61,6 +61,8 @@ def test_data_gpu_share_splits_the_jpegs_between_the_decoders_with_the_same_samp
         assert torch.is_tensor(raw) and raw.shape == (len(ids), 3, 32, 32)
     else:
         assert len(raw.jpegs) == sum(on_gpu(i, share) for i in jpegs) and len(raw.jpegs) + raw.pixels.shape[0] == len(ids)
+        if share < 1:  # the workers' pixels stacked as decoded and cropped (channels-last): a copy each, no transpose
+            assert raw.pixels.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(batch(cpu, ids)[0], batch(mixed, ids)[0])
 
 
@@ -263,6 +265,35 @@ def test_an_encoded_batch_puts_each_decoded_image_in_its_row(tmp_path, monkeypat
         assert torch.equal(out[row], want), row
 
 
+def test_data_decode_autos_batches_of_pixels_cross_in_the_workers_slots(tmp_path, monkeypatch):
+    """data.decode=auto before (or without) any JPEG on the card: each batch of pixels is stacked straight into
+    its worker's slot (channels-last, as the crops are), and reaches the model as decode=cpu's batch from no
+    worker; once JPEGs go to the card, the mixed batch crosses the default way, the same samples."""
+    from job.data import _loader
+    from job.datasets import GpuSplit
+    from job.handover import HostSlots
+
+    taken = []
+    take = HostSlots.take
+    monkeypatch.setattr(HostSlots, "take", lambda self, b, **kw: taken.append(b.j) or take(self, b, **kw))
+    root = make_folder(tmp_path / "imgs", per_class=12)
+    cpu = ImageFolder(root, image_size=16, num_classes=2, augment=True, decode="cpu")
+    split = GpuSplit()
+    auto = ImageFolder(root, image_size=16, num_classes=2, augment=True, decode="cpu", gpu_split=split)
+    order = [[SampleIndex(i % 24, 6 * k + i, 3) for i in range(6 * k, 6 * k + 6)] for k in range(8)]
+    got = list(_loader("t", auto, order, workers=2, device=CPU, channels_last=False, prefetch=False, persistent=True))
+    assert len(taken) == 8
+    for (x, y), ids in zip(got, order):
+        want_x, want_y = batch(cpu, ids)
+        assert torch.equal(x, want_x) and torch.equal(y, want_y) and x.is_contiguous()
+    taken.clear()
+    split.set(0, 0.5)  # half the JPEGs to the GPU path (run on the CPU here): EncodedBatches, the default way
+    got = list(_loader("t", auto, order, workers=2, device=CPU, channels_last=True, prefetch=False, persistent=True))
+    assert not taken
+    for (x, _), ids in zip(got, order):
+        assert torch.equal(x, batch(cpu, ids)[0]) and x.is_contiguous(memory_format=torch.channels_last)
+
+
 @pytest.mark.parametrize("decode", ["cpu", "gpu"])
 def test_batches_are_the_same_with_workers_under_any_split(tmp_path, decode):
     """job.data's stream on image files: 2 DataLoader workers give the samples of 0 workers, and a split of
@@ -376,8 +407,8 @@ def test_the_decoders_bench_refuses_a_folder_it_did_not_generate(tmp_path):
 
 def test_the_decoders_bench_times_each_cpu_decoder_and_the_hand_over(tmp_path, capsys):
     """python -m job.bench.decoders on a CPU machine: the two CPU decoders' rates, the cpu decoder's in 2
-    processes at once, and the training process's CPU per batch handed over by a worker, for decoded pixels
-    and for the GPU decoder's packed bytes."""
+    processes at once, and the CPU per batch handed over by a worker, the training process's and the
+    worker's, for decoded pixels (data.decode=cpu and auto) and for the GPU decoder's packed bytes."""
     import re
 
     from job.bench import decoders
@@ -393,8 +424,11 @@ def test_the_decoders_bench_times_each_cpu_decoder_and_the_hand_over(tmp_path, c
                   r"at once, as data.workers=2\n", out)
     assert m and int(m[1].replace(",", "")) > 0 and int(m[3].replace(",", "")) > 0, out
     m = re.search(r"hand-over, the training process's CPU per batch of 4 from a worker: cpu ([\d.]+) ms, "
-                  r"gpu ([\d.]+) ms", out)
-    assert m and float(m[1]) >= 0 and float(m[2]) >= 0, out
+                  r"auto ([\d.]+) ms, gpu ([\d.]+) ms", out)
+    assert m and all(float(v) >= 0 for v in m.groups()), out
+    m = re.search(r"the worker's CPU per batch of 4 \(its samples, collate and hand-over\): cpu ([\d.]+) ms "
+                  r"\(\d+ us an image\), auto ([\d.]+) ms \(\d+ us an image\), gpu ([\d.]+) ms", out)
+    assert m and float(m[1]) > 0 and float(m[2]) > 0, out  # decoding 32 px crops takes a worker some CPU
 
 
 def test_the_held_out_set_is_built_once_and_each_split_says_its_samples(tmp_path, caplog):

@@ -279,3 +279,91 @@ def test_a_worker_killed_while_the_model_runs_is_raised_by_the_next_batch_not_in
     with pytest.raises(RuntimeError, match=rf"DataLoader worker \(pids?(\(s\))? {worker}\) "):
         for _ in range(100):  # batches already made may come first
             next(stream)
+
+
+def _in_a_worker(monkeypatch):
+    import torch.utils.data as tud
+
+    monkeypatch.setattr(tud, "get_worker_info", lambda: object())
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_samples_stack_into_a_slot_laid_out_as_they_are(monkeypatch, channels_last):
+    """In a worker, default_collate's items are stacked into the slot without default_collate: a slot laid out
+    as the samples are (channels-last images, as the workers' crops are, into a channels-last slot, which
+    copies each image as it is instead of transposing it), holding default_collate's very batch."""
+    from torch.utils.data import default_collate
+
+    _in_a_worker(monkeypatch)
+    ds = Ids(channels_last)
+    collate = SlotCollate(default_collate, slots=4, token=0)
+    for ids in _batches(3):
+        out = collate([ds[i] for i in ids])
+        assert isinstance(out, SlotBatch)
+        want_x, want_y = default_collate([ds[i] for i in ids])
+        assert torch.equal(out.x, want_x) and torch.equal(out.y, want_y)
+        assert out.x.is_contiguous(memory_format=torch.channels_last) == channels_last
+        assert out.x.is_contiguous() != channels_last
+
+
+class ImageCollate:
+    """A collate that says it collates (tensor, label) items as default_collate does, and counts its calls."""
+
+    default_collate_for_tensors = True
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, items):
+        from torch.utils.data import default_collate
+
+        self.calls += 1
+        return default_collate(items)
+
+
+def test_a_collate_that_says_it_is_default_collate_for_tensors_is_stacked_by_the_slots(monkeypatch):
+    """job.datasets.ImageFolder's collate with data.decode=auto: its batches of pixels only are stacked
+    straight into the slot (not collated into a batch of their own, then copied); a plain collate of its
+    own is what crosses."""
+    _in_a_worker(monkeypatch)
+    ds = Ids(channels_last=True)
+    marked, plain = ImageCollate(), ImageCollate()
+    plain.default_collate_for_tensors = False
+    for collate in (marked, plain):
+        slots = SlotCollate(collate, slots=4, token=0)
+        for ids in _batches(2):
+            out = slots([ds[i] for i in ids])
+            assert isinstance(out, SlotBatch) and torch.equal(out.y, torch.tensor(ids))
+    assert marked.calls == 0 and plain.calls == 2
+
+
+def test_a_batch_reaches_the_model_in_train_channels_lasts_layout_whatever_it_crossed_in(monkeypatch):
+    """The workers' channels-last batch reaches the model contiguous with train.channels_last=false (torch's
+    default layout, which the model's convolutions would otherwise follow), channels-last with true."""
+    for flag in (False, True):
+        got = list(_loader("t", Ids(channels_last=True), _batches(3), workers=2, device=CPU, channels_last=flag,
+                           prefetch=False, persistent=True))
+        for x, _ in got:
+            assert x.is_contiguous(memory_format=torch.channels_last if flag else torch.contiguous_format)
+            assert not x.is_contiguous(memory_format=torch.contiguous_format if flag else torch.channels_last)
+
+
+class Layout(Ids):
+    """A dataset whose to_device takes the model's layout, and records what it was given."""
+
+    def __init__(self):
+        super().__init__(channels_last=True)
+        self.given: list = []
+
+    def to_device(self, batch, device, memory_format=None):
+        self.given.append(memory_format)
+        x, y = batch
+        return x.to(device).contiguous(memory_format=memory_format), y.to(device)
+
+
+def test_a_to_device_with_a_memory_format_keyword_is_given_train_channels_lasts_layout():
+    for flag, fmt in ((False, torch.contiguous_format), (True, torch.channels_last)):
+        ds = Layout()
+        got = list(_loader("t", ds, _batches(2), workers=0, device=CPU, channels_last=flag, prefetch=False,
+                           persistent=False))
+        assert ds.given == [fmt, fmt] and all(x.is_contiguous(memory_format=fmt) for x, _ in got)
