@@ -771,6 +771,17 @@ def process_cpu_s(pid: int) -> float | None:
         return None
 
 
+def thread_sched_s() -> tuple[float, float] | None:
+    """The calling thread's (seconds it ran on a core, seconds it was ready to run but waited for a core), from
+    the kernel's scheduler statistics (/proc/thread-self/schedstat); None where there are none."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            ran, waited = f.read().split()[:2]
+        return int(ran) / 1e9, int(waited) / 1e9
+    except (OSError, ValueError):
+        return None
+
+
 def usable_cpus() -> list[int]:
     """The CPUs this process may run on (its affinity: a Slurm or container limit), else all the machine's."""
     import os

@@ -29,7 +29,7 @@ from job import breakdown, config, failure, launch, memplan, phases, recompute, 
 from job import checkpoint as ckpt
 from job import workload as wl
 from job.config import summary
-from job.data import BatchFailed, Data, SplitTuner, process_cpu_s, take_or_stop, usable_cores
+from job.data import BatchFailed, Data, SplitTuner, process_cpu_s, take_or_stop, thread_sched_s, usable_cores
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
 from job.evaluate import Evaluator
 from job.models import human, param_count
@@ -42,6 +42,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 # A log line names the share of its window the loop waited for batches from this much on (5 %): below it the
 # wait is noise of the clock and the queue; above it the data path, not the model, sets the speed.
 DATA_WAIT_SHOWN = 0.05
+CORE_WAIT_SHOWN = 0.05  # the training thread ready to run but waiting for a core this share of the timed steps: said
 _stop = threading.Event()
 _stop_signal: list[int | None] = [None]
 
@@ -747,6 +748,7 @@ class Trainer:
                   "data_wait": wait, "data_made": made, "data_taken": taken,
                   "data_gpu_share": getattr(self.batches, "gpu_share", None),
                   "data_cpu_s": self._workers_mark[1] if self._workers_mark is not None else None,
+                  "train_thread_s": thread_sched_s(),  # [on a core, waiting for one], seconds so far (this thread's)
                   "time": time.time(), "cards": rows, "memory_breakdown": kinds, **(val or {})}
         self.rundir.append_line("metrics.jsonl", json.dumps(record))
 
@@ -840,6 +842,7 @@ class Trainer:
         rate = throughput * k if throughput is not None else None  # units/s
         unit = self.workload.unit
         wait, busy, own, split = self.clock.inputs()
+        ran, waited = self.clock.host()
         gpu_share = getattr(self.batches, "gpu_share", None)  # data.decode=auto's choice, at the end
         settled = getattr(self.batches, "settled_batch", None)  # None: no choice to make, or still choosing
         # every step after settled_step took only batches of the choice (a step takes accum_steps batches)
@@ -855,6 +858,8 @@ class Trainer:
             # ... and where the wait went (InputTimings; shares of the timed steps' wall time)
             **dict(zip(("data_take", "data_move_wait", "data_move_busy"), split or (None, None, None))),
             "data_gpu_share": gpu_share, "data_auto_settled_step": settled_step,
+            # rank 0's training thread over the timed steps: the share it ran on a core, and it waited for one
+            "train_thread_on_core": ran, "train_thread_waited_for_core": waited,
             "cards": rows, "memory_breakdown": kinds,
         }
         self.rundir.write_text("summary.json", json.dumps(summary_doc, indent=2) + "\n")
@@ -871,6 +876,9 @@ class Trainer:
                                          cores=usable_cores(), ranks=self.env.world_size,
                                          gpu_share=gpu_share, choosing=gpu_share is not None and settled is None,
                                          split=split, prefetch=bool(self.cfg.data.prefetch)))
+        if waited is not None and waited >= CORE_WAIT_SHOWN:
+            log.info("%s", host_verdict(waited, ran, workers=getattr(self.batches, "workers", 0),
+                                        nice=int(self.cfg.data.worker_nice), cores=usable_cores()))
 
     def close(self) -> None:
         if self.telemetry is not None:
@@ -977,16 +985,17 @@ class _Clock:
         self.t0 = self.t1 = self.excluded = 0.0
         self.waited = 0.0  # seconds the loop waited for batches in the timed steps
         self.workers: list = [None, None]  # _workers_cpu's marks (time, CPU seconds, InputTimings) at start, stop
+        self.thread: list = [None, None]  # _thread_mark's (time, seconds on a core, seconds waiting for one)
         self.on_pause = None  # told the seconds of each pause (Stream.exclude: data.decode=auto's windows leave them out)
 
     def start(self, step: int, workers: tuple | None = None) -> None:
         self.start_step, self.t0 = step, time.perf_counter()
-        self.workers[0] = workers
+        self.workers[0], self.thread[0] = workers, _thread_mark()
 
     def stop(self, step: int, workers: tuple | None = None) -> None:
         if self.start_step is not None:
             self.end_step, self.t1 = step, time.perf_counter()
-            self.workers[1] = workers
+            self.workers[1], self.thread[1] = workers, _thread_mark()
 
     def add_wait(self, seconds: float) -> None:
         if self.start_step is not None and self.end_step is None:
@@ -1004,6 +1013,13 @@ class _Clock:
         a, b = self.workers
         split = tuple(_cores(a, b, k) for k in (3, 4, 5))
         return wait, _cores(a, b, 1), _cores(a, b, 2), None if None in split else split
+
+    def host(self) -> tuple[float | None, float | None]:
+        """(the share of the timed steps the training thread ran on a core, the share it was ready to run but
+        waited for one: the host's other work had the cores); None without the kernel's scheduler statistics.
+        Over the steps' wall time, pauses included (marks are taken on the training thread)."""
+        a, b = self.thread
+        return _cores(a, b, 1), _cores(a, b, 2)
 
     @contextlib.contextmanager
     def paused(self):
@@ -1023,6 +1039,20 @@ class _Clock:
             return None
         seconds = self.t1 - self.t0 - self.excluded
         return (self.end_step - self.start_step) * samples_per_step / seconds if seconds > 0 else None
+
+
+def host_verdict(waited: float, ran: float | None, *, workers: int, nice: int, cores: int) -> str:
+    """The run's line when its training thread was ready to run but waited for a core `waited` of the timed
+    steps (and ran `ran`): the thread that launches the model's kernels, or computes them on a CPU, lost that
+    time to the host's other work, on the `cores` it may use."""
+    line = (f"host: the training thread waited for a free core {waited:.0%} of the timed steps (ready to run, "
+            f"not running)" + (f" and ran {ran:.0%}" if ran is not None else "")
+            + f", on the {cores} core{'s' if cores != 1 else ''} it may use: other work there took its turns")
+    if workers:
+        return line + (f"; its {workers} DataLoader worker{'s' if workers != 1 else ''} (at nice {nice}) are "
+                       f"some of it: fewer workers (data.workers), a higher data.worker_nice, or more cores "
+                       f"for the run (its CPU limit, Slurm's cpus-per-task) give it back")
+    return line + "; other processes on these cores are the likely cause: give the run cores of its own"
 
 
 def input_verdict(wait: float, busy: float | None, own: float | None, *, workers: int, cores: int,
@@ -1072,6 +1102,13 @@ def _cores(a: tuple | None, b: tuple | None, k: int) -> float | None:
     if a is None or b is None or b[0] <= a[0] or len(a) <= k or a[k] is None or b[k] is None:
         return None
     return (b[k] - a[k]) / (b[0] - a[0])
+
+
+def _thread_mark() -> tuple | None:
+    """(now, seconds the calling thread has run on a core, seconds it has waited for one), or None (no
+    scheduler statistics here)."""
+    sched = thread_sched_s()
+    return (time.perf_counter(), *sched) if sched is not None else None
 
 
 def _workers_cpu(batches) -> tuple | None:

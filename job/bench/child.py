@@ -102,6 +102,18 @@ def input_cores(records: list[dict], *, warmup: int, total: int) -> float | None
     return (float(b["data_cpu_s"]) - float(a["data_cpu_s"])) / dt if dt > 0 else None
 
 
+def host_thread(records: list[dict], *, warmup: int, total: int) -> tuple[float | None, float | None]:
+    """(the share of the same records' window rank 0's training thread ran on a core, the share it was ready
+    to run but waited for one), from its scheduler statistics (`train_thread_s`); None where there are none."""
+    a, b = _edges(records, warmup, total)
+    if a is None or b is None or not a.get("train_thread_s") or not b.get("train_thread_s"):
+        return None, None
+    dt = float(b["time"]) - float(a["time"])
+    if dt <= 0:
+        return None, None
+    return tuple((float(y) - float(x)) / dt for x, y in zip(a["train_thread_s"], b["train_thread_s"]))
+
+
 class _Scraper(threading.Thread):
     """Scrapes a /metrics URL every `interval` seconds, as Prometheus would, while a run trains."""
 
@@ -290,6 +302,7 @@ class Runs:
                  for r in summary.get("cards", [])]
         world = int(summary["world_size"])
         window = summary.get("peak_window")
+        ran, waited = host_thread(records, warmup=warmup, total=total)
         row.update({
             "world_size": world, "units": len(cards) or world, "timed_steps": steps,
             "samples_per_s": sps, "units_per_s": sps * k, "step_s": row["batch_size"] / sps,
@@ -298,6 +311,7 @@ class Runs:
             "input_worker_cores": input_cores(records, warmup=warmup, total=total),
             "input_gpu_share": summary.get("data_gpu_share"),  # data.decode=auto's choice (rank 0's), at the end
             "input_auto_settled_step": summary.get("data_auto_settled_step"),  # every later step trained with it
+            "host_thread_on_core": ran, "host_thread_waited": waited,
             "imbalance": summary.get("imbalance"), "cards": cards, "peak_window": window,
             "params": summary.get("params"),
         })

@@ -88,6 +88,7 @@ def table(doc: dict, w: dict) -> str:
                 pairs += f", {d['median']:+.2f} ms a step ({d['min']:+.2f} to {d['max']:+.2f})"
             lines.append(f"  {c['a']} / {c['b']}: {what} {ratio}: {c['verdict']}{pairs}")
     lines += _input_lines(w, unit)
+    lines += _host_lines(w)
     if w.get("imagefolder"):
         i = w["imagefolder"]
         side = f", resized to a short side of {i['short_side']} px" if i.get("short_side") else ""
@@ -159,6 +160,28 @@ def _input_lines(w: dict, unit: str) -> list[str]:
     return (["real-data rows (medians): the rate sustained is the lower of what was trained and what the workers "
              "made; its cores are the workers' CPU seconds over the window's"]
             + lines) if lines else []
+
+
+HOST_WAIT_SHOWN = 0.02  # a row whose training thread waited for a core this share of its timed steps is listed
+
+
+def _host_lines(w: dict) -> list[str]:
+    """Rows whose training thread (rank 0's) was ready to run but waited for a core in the timed steps (medians):
+    the host's other work, not the model, set part of their pace."""
+    import statistics
+
+    lines = []
+    for name in dict.fromkeys(r["name"] for r in w["runs"]):
+        ok = [r for r in w["runs"] if r["name"] == name and r["status"] == "ok" and r.get("host_thread_waited") is not None]
+        if not ok:
+            continue
+        waited = statistics.median(r["host_thread_waited"] for r in ok)
+        if waited >= HOST_WAIT_SHOWN:
+            each = [r["host_thread_waited"] for r in ok]
+            ran = statistics.median(r["host_thread_on_core"] for r in ok)
+            lines.append(f"  {name}: waited {waited:.1%} ({min(each):.1%}-{max(each):.1%}), ran {ran:.1%}")
+    return (["the training thread waited for a free core (ready to run, not running; /proc's scheduler statistics), "
+             "medians over the timed steps:"] + lines) if lines else []
 
 
 def _kinds_table(rows: list[dict]) -> list[str]:

@@ -177,3 +177,31 @@ def test_final_checkpoint_off_writes_none_but_finishes(tmp_path):
     assert p.returncode == 0, p.stderr
     assert not list((tmp_path / "nock").glob("checkpoints/step_*.pt"))
     assert json.loads((tmp_path / "nock" / "summary.json").read_text())["steps"] == 4
+
+
+def test_a_training_thread_that_waits_for_a_core_is_said_in_one_line_and_summary_json(tmp_path):
+    """A run sharing its one core with a busy process: its training thread is ready to run but waits for the
+    core much of the time, which summary.json and metrics.jsonl record (the kernel's scheduler statistics) and
+    the run's last lines say, naming what to change; the same run alone says nothing of it."""
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("no scheduler statistics (/proc/thread-self/schedstat) on this kernel")
+    core = min(os.sched_getaffinity(0))
+    pin = lambda: os.sched_setaffinity(0, {core})  # noqa: E731
+    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin)
+    try:
+        cmd = job_cmd("train", *SMALL, f"train.run_dir={tmp_path}", "train.run_id=r", "train.steps=60",
+                      "train.log_every=20")
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240, preexec_fn=pin)
+    finally:
+        hog.kill()
+        hog.wait()
+    assert p.returncode == 0, p.stderr
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    waited, ran = summary["train_thread_waited_for_core"], summary["train_thread_on_core"]
+    assert 0.2 <= waited <= 1.0 and 0.0 < ran <= 1.0 and waited + ran <= 1.05, summary
+    lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    seconds = [x["train_thread_s"] for x in lines]
+    assert all(len(s) == 2 for s in seconds) and all(b[0] >= a[0] and b[1] >= a[1] for a, b in zip(seconds, seconds[1:]))
+    said = [x for x in (p.stdout + p.stderr).splitlines() if "host: the training thread waited for a free core" in x]
+    assert len(said) == 1 and f"{waited:.0%} of the timed steps" in said[0], p.stdout + p.stderr
+    assert "on the 1 core it may use" in said[0] and "give the run cores of its own" in said[0]

@@ -134,6 +134,30 @@ def test_input_cores_are_the_workers_cpu_seconds_over_the_window():
     assert bench.input_cores(recs, warmup=3, total=10) is None  # no record at step 3
 
 
+def test_the_training_threads_shares_are_its_scheduler_seconds_over_the_window():
+    """train_thread_s (seconds on a core, seconds waiting for one) at the window's edges: over 4 s it ran 3 and
+    waited 0.4 s. Without the scheduler statistics there is no figure; the table lists a row that waited."""
+    from job.bench.child import host_thread
+    from job.bench.table import _host_lines
+
+    recs = [{"step": 2, "time": 100.0, "train_thread_s": [10.0, 1.0]}, {"step": 10, "time": 104.0,
+                                                                           "train_thread_s": [13.0, 1.4]}]
+    assert host_thread(recs, warmup=2, total=10) == pytest.approx((0.75, 0.1))
+    assert host_thread([{**r, "train_thread_s": None} for r in recs], warmup=2, total=10) == (None, None)
+    assert host_thread([{"step": 2, "time": 100.0}, recs[1]], warmup=2, total=10) == (None, None)
+
+    def run(name, waited, repeat):
+        return {**_run(name, "strategy", "ddp", [], 1, 3000.0, repeat=repeat), "host_thread_on_core": 0.9,
+                "host_thread_waited": waited}
+
+    w = {"runs": [run("ddp", 0.001, 1), run("ddp", 0.004, 2), run("ddp+imagefolder", 0.08, 1),
+                  run("ddp+imagefolder", 0.06, 2), run("ddp+imagefolder", 0.12, 3)]}
+    head, line = _host_lines(w)
+    assert head.startswith("the training thread waited for a free core") and line == (
+        "  ddp+imagefolder: waited 8.0% (6.0%-12.0%), ran 90.0%")
+    assert _host_lines({"runs": [run("ddp", 0.001, 1)]}) == []
+
+
 @pytest.mark.parametrize("log, line", [
     ("step 1\nerror: ddp: micro-batch 15 is not a multiple of 2 ranks\n", "ddp: micro-batch 15 is not a multiple of 2 ranks"),
     ("Traceback (most recent call last):\n  File x\ntorch.OutOfMemoryError: CUDA out of memory. Tried\n",
@@ -169,7 +193,8 @@ def _run(name, kind, strategy, cards, world, sps, *, repeat=1, status="ok", reas
          "units": len(cards), "timed_steps": 50, "samples_per_s": sps, "units_per_s": sps * 1024 if sps else None,
          "step_s": 16 / sps if sps else None, "trainer_samples_per_s": sps, "trained_samples_per_s": sps,
          "input_samples_per_s": None, "input_worker_cores": None, "input_gpu_share": None,
-         "input_auto_settled_step": None, "imbalance": None, "scaling_vs_1": None,
+         "input_auto_settled_step": None, "host_thread_on_core": None, "host_thread_waited": None,
+         "imbalance": None, "scaling_vs_1": None,
          "scaling_note": None, "peak_window": list(window) if status == "ok" else None, "window_note": None,
          "cards": cards, "scrapes_ok": None, "scrapes_failed": None, "params": None}
     if len(cards) > 1:

@@ -382,3 +382,46 @@ def test_a_usage_error_from_a_dataloader_worker_keeps_its_own_line():
         with pytest.raises(type(exc)) as e:
             next(iter(DataLoader(_Raises(exc), num_workers=1)))
         assert str(e.value) == str(exc)
+
+
+def test_the_threads_scheduler_statistics_count_its_own_time_on_a_core():
+    """job.data.thread_sched_s: the calling thread's seconds on a core grow by about what it spun, and a
+    thread of its own counts its own."""
+    import threading
+    import time
+
+    from job.data import thread_sched_s
+
+    if thread_sched_s() is None:
+        pytest.skip("no scheduler statistics (/proc/thread-self/schedstat) on this kernel")
+
+    def spin(seconds: float) -> tuple[float, float]:
+        a = thread_sched_s()
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:  # this thread's own CPU time
+            pass
+        b = thread_sched_s()
+        return b[0] - a[0], b[1] - a[1]
+
+    ran, waited = spin(0.2)
+    assert 0.15 <= ran <= 0.5 and waited >= 0.0
+    other: list = []
+    t = threading.Thread(target=lambda: other.append(thread_sched_s()))
+    t.start()
+    t.join()
+    assert other[0][0] < 0.1  # a new thread's own: not this one's 0.2 s
+
+
+def test_the_clock_gives_the_training_threads_shares_of_the_timed_steps_and_the_line_says_what_to_change():
+    from job.train import _Clock, host_verdict
+
+    clock = _Clock()
+    clock.thread = [(10.0, 1.0, 0.5), (20.0, 6.0, 3.0)]
+    assert clock.host() == (0.5, 0.25)
+    clock.thread = [None, (20.0, 6.0, 3.0)]  # no scheduler statistics at the start
+    assert clock.host() == (None, None)
+    line = host_verdict(0.25, 0.5, workers=16, nice=10, cores=16)
+    assert line.startswith("host: the training thread waited for a free core 25% of the timed steps (ready to run, "
+                           "not running) and ran 50%, on the 16 cores it may use")
+    assert "its 16 DataLoader workers (at nice 10) are some of it" in line and "data.worker_nice" in line
+    assert "give the run cores of its own" in host_verdict(0.1, None, workers=0, nice=10, cores=1)
