@@ -142,21 +142,20 @@ class SlotCollate:
                                 for it in items):
             return None
         x0, labels = items[0][0], [y for _, y in items]
+        if not all(x.shape == x0.shape and x.dtype == x0.dtype for x, _ in items):
+            return None  # default_collate's to refuse, or a collate of the dataset's own to batch
         if all(type(y) is int for y in labels):
             ids, y_like = torch.tensor(labels), torch.empty((len(items),), dtype=torch.int64, device="meta")
-        elif all(torch.is_tensor(y) for y in labels):
+        elif all(torch.is_tensor(y) and y.shape == labels[0].shape and y.dtype == labels[0].dtype for y in labels):
             ids, y_like = None, torch.empty((len(items), *labels[0].shape), dtype=labels[0].dtype, device="meta")
         else:
             return None
+        x_like = _batch_like(x0, len(items))
         if self._ring is None:
-            self._ring = _Ring(_batch_like(x0, len(items)), y_like, self.slots)
+            self._ring = _Ring(x_like, y_like, self.slots)
         xs, ys = self._ring.xs[0], self._ring.ys[0]
-        if len(items) != len(xs) or ys.shape != y_like.shape or ys.dtype != y_like.dtype:
-            return None
-        if not all(x.shape == xs.shape[1:] and x.dtype == xs.dtype for x, _ in items):
-            return None
-        if ids is None and not all(y.shape == ys.shape[1:] for y in labels):
-            return None
+        if (xs.shape, xs.dtype, ys.shape, ys.dtype) != (x_like.shape, x_like.dtype, y_like.shape, y_like.dtype):
+            return None  # a batch of another shape than the first (a short last batch): the default hand-over
 
         def write(x_slot, y_slot):
             torch.stack([x for x, _ in items], out=x_slot)

@@ -367,3 +367,15 @@ def test_a_to_device_with_a_memory_format_keyword_is_given_train_channels_lasts_
         got = list(_loader("t", ds, _batches(2), workers=0, device=CPU, channels_last=flag, prefetch=False,
                            persistent=False))
         assert ds.given == [fmt, fmt] and all(x.is_contiguous(memory_format=fmt) for x, _ in got)
+
+
+def test_samples_of_different_shapes_are_left_to_the_collate_and_make_no_slots(monkeypatch):
+    """Items default_collate cannot stack (images of two sizes): its own error, as without the slots, and no
+    ring of slots made from the first sample's shape."""
+    from torch.utils.data import default_collate
+
+    _in_a_worker(monkeypatch)
+    collate = SlotCollate(default_collate, slots=4, token=0)
+    with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
+        collate([(torch.zeros(3, 4, 5), 0), (torch.zeros(3, 5, 5), 1)])
+    assert collate._ring is None
