@@ -12,6 +12,7 @@ made of the run's seed and the sample's global id (`SampleIndex.sample_id`), not
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from pathlib import Path
@@ -397,7 +398,7 @@ def random_resized_crop(g, h: int, w: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 
     import torch
 
     area = h * w
-    log_lo, log_hi = (float(v) for v in torch.log(torch.tensor(ratio)))
+    log_lo, log_hi = _log_ratio(tuple(ratio))
     for _ in range(10):
         target = area * torch.empty(1).uniform_(scale[0], scale[1], generator=g).item()
         aspect = torch.exp(torch.empty(1).uniform_(log_lo, log_hi, generator=g)).item()  # float32, as theirs
@@ -414,6 +415,14 @@ def random_resized_crop(g, h: int, w: int, scale=(0.08, 1.0), ratio=(3 / 4, 4 / 
     else:
         cw, ch = w, h
     return (h - ch) // 2, (w - cw) // 2, ch, cw
+
+
+@functools.lru_cache(maxsize=8)
+def _log_ratio(ratio: tuple[float, float]) -> tuple[float, float]:
+    """log(ratio) in float32, as torchvision computes it (once per ratio: 4 us a sample otherwise)."""
+    import torch
+
+    return tuple(float(v) for v in torch.log(torch.tensor(ratio)))
 
 
 def crop_resize(image, crop: tuple[int, int, int, int, bool], size: int):
