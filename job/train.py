@@ -878,7 +878,8 @@ class Trainer:
                                          split=split, prefetch=bool(self.cfg.data.prefetch)))
         if waited is not None and waited >= CORE_WAIT_SHOWN:
             log.info("%s", host_verdict(waited, ran, workers=getattr(self.batches, "workers", 0),
-                                        nice=int(self.cfg.data.worker_nice), cores=usable_cores()))
+                                        nice=int(self.cfg.data.worker_nice), cores=usable_cores(),
+                                        ranks=self.env.world_size))
 
     def close(self) -> None:
         if self.telemetry is not None:
@@ -1041,18 +1042,20 @@ class _Clock:
         return (self.end_step - self.start_step) * samples_per_step / seconds if seconds > 0 else None
 
 
-def host_verdict(waited: float, ran: float | None, *, workers: int, nice: int, cores: int) -> str:
-    """The run's line when its training thread was ready to run but waited for a core `waited` of the timed
-    steps (and ran `ran`): the thread that launches the model's kernels, or computes them on a CPU, lost that
-    time to the host's other work, on the `cores` it may use."""
-    line = (f"host: the training thread waited for a free core {waited:.0%} of the timed steps (ready to run, "
+def host_verdict(waited: float, ran: float | None, *, workers: int, nice: int, cores: int, ranks: int = 1) -> str:
+    """The run's line when its training thread (rank 0's) was ready to run but waited for a core `waited` of
+    the timed steps (and ran `ran`): the thread that launches the model's kernels, or computes them on a CPU,
+    lost that time to other work on the `cores` it may use: what that can be, and what gives the time back."""
+    who = "the" if ranks == 1 else "rank 0's"
+    line = (f"host: {who} training thread waited for a free core {waited:.0%} of the timed steps (ready to run, "
             f"not running)" + (f" and ran {ran:.0%}" if ran is not None else "")
             + f", on the {cores} core{'s' if cores != 1 else ''} it may use: other work there took its turns")
     if workers:
-        return line + (f"; its {workers} DataLoader worker{'s' if workers != 1 else ''} (at nice {nice}) are "
-                       f"some of it: fewer workers (data.workers), a higher data.worker_nice, or more cores "
-                       f"for the run (its CPU limit, Slurm's cpus-per-task) give it back")
-    return line + "; other processes on these cores are the likely cause: give the run cores of its own"
+        return line + (f" (this process's other threads, its {workers} DataLoader worker{'s' if workers != 1 else ''}"
+                       f" at nice {nice}, other processes); fewer workers (data.workers), a higher "
+                       f"data.worker_nice, or more cores for the run (its CPU limit, Slurm's cpus-per-task) give "
+                       f"it back")
+    return line + " (this process's other threads, other processes); give the run cores of its own"
 
 
 def input_verdict(wait: float, busy: float | None, own: float | None, *, workers: int, cores: int,

@@ -423,5 +423,9 @@ def test_the_clock_gives_the_training_threads_shares_of_the_timed_steps_and_the_
     line = host_verdict(0.25, 0.5, workers=16, nice=10, cores=16)
     assert line.startswith("host: the training thread waited for a free core 25% of the timed steps (ready to run, "
                            "not running) and ran 50%, on the 16 cores it may use")
-    assert "its 16 DataLoader workers (at nice 10) are some of it" in line and "data.worker_nice" in line
-    assert "give the run cores of its own" in host_verdict(0.1, None, workers=0, nice=10, cores=1)
+    assert "(this process's other threads, its 16 DataLoader workers at nice 10, other processes); fewer " in line
+    assert "data.worker_nice" in line
+    alone = host_verdict(0.1, None, workers=0, nice=10, cores=1, ranks=2)
+    assert alone.startswith("host: rank 0's training thread waited for a free core 10% of the timed steps (ready "
+                            "to run, not running), on the 1 core it may use")
+    assert alone.endswith("(this process's other threads, other processes); give the run cores of its own")
