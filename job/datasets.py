@@ -232,7 +232,8 @@ class ImageFolder:
     decode="cpu": DataLoader workers decode (torchvision.io: libjpeg-turbo), crop and resize; a batch
     crosses to the device as uint8 (a quarter of float32's bytes) and is normalised there (`to_device`).
     decode="gpu": workers read the files' bytes and draw the crops; `to_device` decodes a batch's JPEGs on
-    the GPU in one batched nvJPEG call and crops and resizes there. Files that are not JPEG are decoded by
+    the GPU in batched nvJPEG calls (one for ImageNet-sized files; GPU_DECODE_BYTES bounds each) and crops and
+    resizes there. Files that are not JPEG are decoded by
     the workers either way. `gpu_share` < 1 splits the JPEGs between the two: that fraction of the sample
     ids (spread evenly, so every batch and every rank's share of it gets its part) goes to the GPU, the
     rest is decoded by the workers, so both decoders work at once. Both decoders give the same crop of the
@@ -298,7 +299,7 @@ class ImageFolder:
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         if raw[:3] == JPEG_MAGIC and self._on_gpu(index):
             h, w = image_size_of(raw, path)
-            return Encoded(data, self.crop_of(index, h, w), path), label
+            return Encoded(data, self.crop_of(index, h, w), path, (h, w)), label
         image = decode_pixels(data, path)
         return crop_resize(image, self.crop_of(index, image.shape[1], image.shape[2]), self.size), label
 
@@ -459,10 +460,33 @@ def _warn_once(message: str) -> None:
 
 
 class Encoded:
-    """One undecoded image: its file's bytes, its crop (ImageFolder.crop_of) and its path (for the error)."""
+    """One undecoded image: its file's bytes, its crop (ImageFolder.crop_of), its path (for the error) and its
+    (height, width) from the header."""
 
-    def __init__(self, data, crop, path: str):
-        self.data, self.crop, self.path = data, crop, path
+    def __init__(self, data, crop, path: str, hw: tuple[int, int]):
+        self.data, self.crop, self.path, self.hw = data, crop, path, hw
+
+
+# The decoded pixels (before their crops) EncodedBatch.decode holds on the card at once: its JPEGs are decoded in
+# batched calls of at most this much each (one for a batch of ImageNet-sized files: 256 of them are 144 MB), so
+# a folder of camera photos (36 MB each decoded at 12 megapixels) keeps the card's memory within the memory
+# plan's margin (memory.margin_gb, 1.5 GB by default) instead of decoding a whole batch at once (9 GB for 256).
+GPU_DECODE_BYTES = 256 << 20
+_READ: dict[str, object] = {}  # card -> a CUDA event after the last queued reads of decoded images (their crops)
+
+
+def decode_spans(decoded: list[int], budget: int) -> list[range]:
+    """Consecutive runs of images whose decoded bytes add up to at most `budget` each; an image larger than
+    the budget alone in its run."""
+    spans, start, held = [], 0, 0
+    for i, b in enumerate(decoded):
+        if i > start and held + b > budget:
+            spans.append(range(start, i))
+            start, held = i, 0
+        held += b
+    if decoded:
+        spans.append(range(start, len(decoded)))
+    return spans
 
 
 class EncodedBatch:
@@ -482,6 +506,7 @@ class EncodedBatch:
         encoded = [(i, it) for i, it in enumerate(items) if isinstance(it, Encoded)]
         self.jpegs = [(it.crop, it.path) for _, it in encoded]  # in the order of their rows, jpeg_rows
         self.sizes = [int(it.data.numel()) for _, it in encoded]
+        self.decoded = [3 * it.hw[0] * it.hw[1] for _, it in encoded]  # each JPEG's bytes once decoded (RGB)
         self.data = torch.cat([it.data for _, it in encoded]) if encoded else None
         done = [(i, it) for i, it in enumerate(items) if not isinstance(it, Encoded)]
         self.pixels = _stack_images([it for _, it in done]) if done else None
@@ -500,36 +525,57 @@ class EncodedBatch:
         return self.n
 
     def decode(self, device, size: int):
-        """n x 3 x size x size uint8 on `device`: the JPEGs in one batched nvJPEG call, their crops resized into
-        their rows in one kernel (job.gpucrops; image by image where Triton is missing)."""
+        """n x 3 x size x size uint8 on `device`: the JPEGs in batched nvJPEG calls of at most GPU_DECODE_BYTES
+        of decoded pixels each (one for ImageNet-sized files), each call's crops resized into their rows in one
+        kernel (job.gpucrops; image by image where Triton is missing)."""
         import torch
-        from torchvision.io import ImageReadMode, decode_jpeg
 
         files = list(torch.split(self.data, self.sizes)) if self.jpegs else []  # views of the packed bytes
-        images = []
-        if files:
-            try:
-                images = decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
-            except RuntimeError as e:
-                # One file nvJPEG cannot read fails the whole call: decode those one at a time on the CPU,
-                # which names a damaged file (and reads the odd JPEG nvJPEG does not support).
-                images = [decode_pixels(f.cpu(), path).to(device, non_blocking=True)
-                          for f, (_, path) in zip(files, self.jpegs)]
-                _warn_once(f"data.decode=gpu: nvJPEG could not decode a batch ({str(e).strip().splitlines()[0]}); "
-                           "it was decoded on the CPU, as every such batch will be (slower: data.decode=cpu "
-                           "with data.workers decodes in parallel)")
         out = torch.empty((self.n, 3, size, size), dtype=torch.uint8, device=device)
         if self.pixels is not None:  # one copy for every image the workers decoded
             out.index_copy_(0, self.rows.to(device, non_blocking=True), self.pixels.to(device, non_blocking=True))
-        if images and out.device.type == "cpu" and NATIVE_CPU_RESIZE:  # decode=cpu's very pixels
-            for i, (crop, _), image in zip(self.jpeg_rows.tolist(), self.jpegs, images):
-                out[i] = crop_resize(image, crop, size)
-        elif images:
-            crops = [c for c, _ in self.jpegs]
-            if not (out.device.type == "cuda" and gpucrops.crops_into(out, self.jpeg_rows.tolist(), images, crops,
-                                                                      size)):  # one launch, else image by image
-                out.index_copy_(0, self.jpeg_rows.to(device, non_blocking=True), crops_resized(images, crops, size))
+        for span in decode_spans(self.decoded, GPU_DECODE_BYTES) if files else []:
+            images = self._decode([files[i] for i in span], [self.jpegs[i][1] for i in span], out.device)
+            self._crop(out, span, images, size)
+            if out.device.type == "cuda":  # their last reads queued: see _decode
+                _READ[str(out.device)] = torch.cuda.Event()
+                _READ[str(out.device)].record(torch.cuda.current_stream(out.device))
         return out
+
+    def _decode(self, files: list, paths: list[str], device) -> list:
+        """The JPEGs `files` decoded on `device` in one batched call.
+
+        torchvision allocates the decoded images on the calling thread's CUDA stream but nvJPEG writes them
+        on a stream of its own, which does not wait for the calling one. Memory of earlier decoded images,
+        freed once their crops were queued, can be handed to this call's images and overwritten before those
+        crops have read it. So the call first waits (on the host) for the last decoded images' reads: with
+        data.prefetch they were queued a step ago and are done; without it, on the model's stream, the wait
+        lets the card reach them."""
+        from torchvision.io import ImageReadMode, decode_jpeg
+
+        read = _READ.get(str(device)) if device.type == "cuda" else None
+        if read is not None:
+            read.synchronize()
+        try:
+            return decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
+        except RuntimeError as e:
+            # One file nvJPEG cannot read fails the whole call: decode those one at a time on the CPU, which
+            # names a damaged file (and reads the odd JPEG nvJPEG does not support).
+            images = [decode_pixels(f.cpu(), path).to(device, non_blocking=True) for f, path in zip(files, paths)]
+            _warn_once(f"data.decode=gpu: nvJPEG could not decode a batch ({str(e).strip().splitlines()[0]}); "
+                       "it was decoded on the CPU, as every such batch will be (slower: data.decode=cpu "
+                       "with data.workers decodes in parallel)")
+            return images
+
+    def _crop(self, out, span: range, images: list, size: int) -> None:
+        """Each of `images` (the JPEGs `span` of this batch) cropped and resized into its row of `out`."""
+        rows = self.jpeg_rows[span.start:span.stop]
+        crops = [self.jpegs[i][0] for i in span]
+        if out.device.type == "cpu" and NATIVE_CPU_RESIZE:  # decode=cpu's very pixels
+            for i, crop, image in zip(rows.tolist(), crops, images):
+                out[i] = crop_resize(image, crop, size)
+        elif not (out.device.type == "cuda" and gpucrops.crops_into(out, rows.tolist(), images, crops, size)):
+            out.index_copy_(0, rows.to(out.device, non_blocking=True), crops_resized(images, crops, size))
 
 
 def _stack_images(images: list):

@@ -66,6 +66,46 @@ def test_the_one_launch_crops_match_the_image_by_image_crops_on_a_card(tmp_path)
 
 
 @requires_gpus(1)
+def test_a_batch_decoded_in_calls_within_the_budget_is_the_batch_of_one_call_on_a_card(tmp_path, monkeypatch):
+    """data.decode=gpu with its decoded-pixel budget lowered to a few images (camera photos' case): the batch
+    is decoded in several nvJPEG calls and is the one call's batch exactly."""
+    import job.datasets as datasets
+
+    folder = image_folder(tmp_path / "imgs", 32, seed=5)
+    gpu = ImageFolder(folder["path"], image_size=224, num_classes=10, augment=True, decode="gpu")
+    ids = [SampleIndex(i, 300 + i, 2) for i in range(32)]
+    raw, _ = gpu.collate([gpu[i] for i in ids])
+    cuda = torch.device("cuda", 0)
+    whole = raw.pin_memory().decode(cuda, 224)
+    monkeypatch.setattr(datasets, "GPU_DECODE_BYTES", 3 * 500 * 375 * 3)
+    assert len(datasets.decode_spans(raw.decoded, datasets.GPU_DECODE_BYTES)) >= 10
+    assert torch.equal(raw.decode(cuda, 224), whole)
+
+
+@requires_gpus(1)
+def test_decoded_images_are_not_overwritten_before_their_crops_read_them(tmp_path):
+    """torchvision allocates nvJPEG's output on the calling stream and writes it on a stream of its own that
+    does not wait for the calling one. Batch A's crops queued behind a long kernel, its images freed, batch B
+    decoded at once from same-sized files: B's images must not land in A's memory before A's crops read it
+    (EncodedBatch._decode waits for them), so A is what it is decoded alone."""
+    folder = image_folder(tmp_path / "imgs", 32, seed=6)
+    gpu = ImageFolder(folder["path"], image_size=224, num_classes=10, augment=False, decode="gpu")
+    cuda = torch.device("cuda", 0)
+    a_ids, b_ids = [SampleIndex(i, i, 0) for i in range(16)], [SampleIndex(i, i, 0) for i in range(16, 32)]
+    raw_a = gpu.collate([gpu[i] for i in a_ids])[0].pin_memory()
+    raw_b = gpu.collate([gpu[i] for i in b_ids])[0].pin_memory()
+    want = raw_a.decode(cuda, 224).clone()
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream(device=cuda)
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # about a second of the side stream: A's crops wait behind it
+        got = raw_a.decode(cuda, 224)
+        raw_b.decode(cuda, 224)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
+@requires_gpus(1)
 def test_a_damaged_jpeg_on_the_gpu_is_one_line(tmp_path):
     root = make_folder(tmp_path / "imgs")
     bad = root / "c1" / "0.jpg"

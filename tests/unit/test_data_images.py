@@ -265,6 +265,42 @@ def test_an_encoded_batch_puts_each_decoded_image_in_its_row(tmp_path, monkeypat
         assert torch.equal(out[row], want), row
 
 
+def test_decode_spans_hold_at_most_the_budget_and_a_larger_image_alone():
+    from job.datasets import decode_spans
+
+    assert decode_spans([], 10) == []
+    assert decode_spans([4, 4, 4, 4], 10) == [range(0, 2), range(2, 4)]
+    assert decode_spans([4, 30, 4, 4, 2], 10) == [range(0, 1), range(1, 2), range(2, 5)]  # 30 alone
+    assert decode_spans([3] * 5, 100) == [range(0, 5)]
+
+
+def test_a_gpu_batch_of_large_images_is_decoded_in_calls_within_the_budget_with_the_same_samples(tmp_path,
+                                                                                                monkeypatch):
+    """data.decode=gpu's batch (its path run on the CPU): with the decoded-pixel budget lowered to two of these
+    images, it is decoded in calls of at most that many pixels, and gives the very batch of one call."""
+    import job.datasets as datasets
+
+    root = make_folder(tmp_path / "imgs", per_class=8, png_every=100)  # JPEGs only
+    gpu = ImageFolder(root, image_size=24, num_classes=2, augment=True, decode="gpu")
+    ids = [SampleIndex(i, 70 + i, 2) for i in range(len(gpu))]
+    raw, _ = gpu.collate([gpu[i] for i in ids])
+    assert raw.decoded == [3 * h * w for h, w in (gpu[i][0].hw for i in ids)]
+    whole = raw.decode(CPU, 24)
+    calls: list[int] = []
+    decode_jpeg = datasets.EncodedBatch._decode
+
+    def counting(self, files, paths, device):
+        calls.append(len(files))
+        return decode_jpeg(self, files, paths, device)
+
+    monkeypatch.setattr(datasets.EncodedBatch, "_decode", counting)
+    monkeypatch.setattr(datasets, "GPU_DECODE_BYTES", 2 * 3 * 160 * 120)
+    assert torch.equal(raw.decode(CPU, 24), whole)
+    spans = datasets.decode_spans(raw.decoded, datasets.GPU_DECODE_BYTES)
+    assert calls == [len(s) for s in spans] and len(calls) > 4
+    assert all(sum(raw.decoded[i] for i in s) <= datasets.GPU_DECODE_BYTES or len(s) == 1 for s in spans)
+
+
 def test_data_decode_autos_batches_of_pixels_cross_in_the_workers_slots(tmp_path, monkeypatch):
     """data.decode=auto before (or without) any JPEG on the card: each batch of pixels is stacked straight into
     its worker's slot (channels-last, as the crops are), and reaches the model as decode=cpu's batch from no
