@@ -472,7 +472,9 @@ class Encoded:
 # a folder of camera photos (36 MB each decoded at 12 megapixels) keeps the card's memory within the memory
 # plan's margin (memory.margin_gb, 1.5 GB by default) instead of decoding a whole batch at once (9 GB for 256).
 GPU_DECODE_BYTES = 256 << 20
-_READ: dict[str, object] = {}  # card -> a CUDA event after the last queued reads of decoded images (their crops)
+# CUDA stream -> an event after the last reads queued on it of the decoded images allocated on it (their crops):
+# memory freed on a stream goes to that stream's next allocations (EncodedBatch._decode)
+_READ: dict[int, object] = {}
 
 
 def decode_spans(decoded: list[int], budget: int) -> list[range]:
@@ -538,8 +540,9 @@ class EncodedBatch:
             images = self._decode([files[i] for i in span], [self.jpegs[i][1] for i in span], out.device)
             self._crop(out, span, images, size)
             if out.device.type == "cuda":  # their last reads queued: see _decode
-                _READ[str(out.device)] = torch.cuda.Event()
-                _READ[str(out.device)].record(torch.cuda.current_stream(out.device))
+                stream = torch.cuda.current_stream(out.device)
+                _READ[stream.cuda_stream] = event = torch.cuda.Event()
+                event.record(stream)
         return out
 
     def _decode(self, files: list, paths: list[str], device) -> list:
@@ -548,14 +551,17 @@ class EncodedBatch:
         torchvision allocates the decoded images on the calling thread's CUDA stream but nvJPEG writes them
         on a stream of its own, which does not wait for the calling one. Memory of earlier decoded images,
         freed once their crops were queued, can be handed to this call's images and overwritten before those
-        crops have read it. So the call first waits (on the host) for the last decoded images' reads: with
-        data.prefetch they were queued a step ago and are done; without it, on the model's stream, the wait
-        lets the card reach them."""
+        crops have read it. So the call first waits (on the host) for the last reads of decoded images queued
+        on this stream: with data.prefetch they were queued a step ago and are done; without it, on the
+        model's stream, the wait lets the card reach them."""
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        read = _READ.get(str(device)) if device.type == "cuda" else None
-        if read is not None:
-            read.synchronize()
+        if device.type == "cuda":
+            import torch
+
+            read = _READ.get(torch.cuda.current_stream(device).cuda_stream)
+            if read is not None:
+                read.synchronize()
         try:
             return decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
         except RuntimeError as e:
