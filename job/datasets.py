@@ -504,6 +504,8 @@ class EncodedBatch:
     def __init__(self, items: list):
         import torch
 
+        from job.handover import batch_like
+
         self.n = len(items)
         encoded = [(i, it) for i, it in enumerate(items) if isinstance(it, Encoded)]
         self.jpegs = [(it.crop, it.path) for _, it in encoded]  # in the order of their rows, jpeg_rows
@@ -511,7 +513,10 @@ class EncodedBatch:
         self.decoded = [3 * it.hw[0] * it.hw[1] for _, it in encoded]  # each JPEG's bytes once decoded (RGB)
         self.data = torch.cat([it.data for _, it in encoded]) if encoded else None
         done = [(i, it) for i, it in enumerate(items) if not isinstance(it, Encoded)]
-        self.pixels = _stack_images([it for _, it in done]) if done else None
+        # The workers' images stacked as they are laid out (channels-last, as decoded and cropped): a plain copy
+        # each, where torch.stack's contiguous batch would transpose every one.
+        images = [it for _, it in done]
+        self.pixels = torch.stack(images, out=batch_like(images[0], len(images), device="cpu")) if images else None
         # Where each part goes in the batch, as tensors, so they are pinned and copied with the rest.
         self.rows = torch.tensor([i for i, _ in done], dtype=torch.long)
         self.jpeg_rows = torch.tensor([i for i, _ in encoded], dtype=torch.long)
@@ -582,17 +587,6 @@ class EncodedBatch:
                 out[i] = crop_resize(image, crop, size)
         elif not (out.device.type == "cuda" and gpucrops.crops_into(out, rows.tolist(), images, crops, size)):
             out.index_copy_(0, rows.to(out.device, non_blocking=True), crops_resized(images, crops, size))
-
-
-def _stack_images(images: list):
-    """The workers' images (3 x H x W, stored H x W x 3 as decoded and cropped) stacked into one channels-last
-    batch: a plain copy an image, where torch.stack's contiguous batch transposes each one (84 against 23 us
-    a 224 x 224 image, one core of the development machine)."""
-    import torch
-
-    c, h, w = images[0].shape
-    out = torch.empty((len(images), h, w, c), dtype=images[0].dtype).permute(0, 3, 1, 2)
-    return torch.stack(images, out=out)
 
 
 def crops_resized(images: list, crops: list, size: int):

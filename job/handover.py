@@ -150,7 +150,7 @@ class SlotCollate:
             ids, y_like = None, torch.empty((len(items), *labels[0].shape), dtype=labels[0].dtype, device="meta")
         else:
             return None
-        x_like = _batch_like(x0, len(items))
+        x_like = batch_like(x0, len(items))
         if self._ring is None:
             self._ring = _Ring(x_like, y_like, self.slots)
         xs, ys = self._ring.xs[0], self._ring.ys[0]
@@ -167,12 +167,13 @@ class SlotCollate:
         return self._fill(write)
 
 
-def _batch_like(x0: torch.Tensor, n: int) -> torch.Tensor:
-    """A (meta) batch of n samples like x0, channels-last where x0 is a C x H x W image stored H x W x C."""
+def batch_like(x0: torch.Tensor, n: int, device: str = "meta") -> torch.Tensor:
+    """An empty batch of n samples like x0 (a meta one by default: its shape and layout), channels-last where
+    x0 is a C x H x W image stored H x W x C, so stacking such samples into it copies each as it is."""
     if x0.dim() == 3 and not x0.is_contiguous() and x0.permute(1, 2, 0).is_contiguous():
         c, h, w = x0.shape
-        return torch.empty((n, h, w, c), dtype=x0.dtype, device="meta").permute(0, 3, 1, 2)
-    return torch.empty((n, *x0.shape), dtype=x0.dtype, device="meta")
+        return torch.empty((n, h, w, c), dtype=x0.dtype, device=device).permute(0, 3, 1, 2)
+    return torch.empty((n, *x0.shape), dtype=x0.dtype, device=device)
 
 
 class HostSlots:
