@@ -314,7 +314,8 @@ class BenchCfg:
     auto_settle: bool = True
     """imagefolder on a GPU: rows with data.decode=auto (and workers) first train the steps its choice of decoder
     can take (data.decode=auto's trials, a few hundred steps), then bench.warmup and bench.steps: they time the
-    rate a long run sustains. false: their timed steps hold the trials, as a short run's do."""
+    rate a long run sustains; every other row of the workload trains as many steps first, so that all are timed
+    over the same steps. false: their timed steps hold the trials, as a short run's do."""
     tokens: bool = False
     """compare: also run each strategy on a token file generated on disk (data.kind=tokens, memory-mapped,
     <train.run_dir>/bench-tokens), next to the synthetic rows; needs a token workload (lm)."""

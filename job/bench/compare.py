@@ -229,21 +229,26 @@ def bench_workload(bench: Runs, workload: str) -> dict[str, Any]:
     for s in bench.settings.strategies:
         plan.append((s, "strategy", s, [], {}))
     images = tokens = None
+    # Steps every row trains before bench.warmup: the most an imagefolder row's data.decode=auto takes to choose
+    # its decoder (bench.auto_settle; 0 where none chooses), so that every row is timed over the same steps.
+    settle = 0
     if bench.settings.imagefolder and "imagefolder" in definition.kinds():
         images = image_folder(bench.images_dir, bench.settings.imagefolder_images, seed=int(ref_cfg.train.seed),
                               short_side=int(bench.settings.imagefolder_short_side))
         for s in bench.settings.strategies:
             extra = _file_args(bench, s, "imagefolder", images["path"])
-            plan.append((f"{s}+imagefolder", "imagefolder", s, extra, {}, _choosing(bench, ref_cfg, extra)))
+            plan.append((f"{s}+imagefolder", "imagefolder", s, extra, {}))
+            settle = max(settle, _choosing(bench, ref_cfg, extra))
         for v in bench.settings.imagefolder_variants:  # the same files, other data settings: rows of their own
             data_args = variant_args(v)
             for s in bench.settings.strategies:
                 extra = _file_args(bench, s, "imagefolder", images["path"], *data_args)
-                plan.append((variant_name(s, data_args), "imagefolder", s, extra, {}, _choosing(bench, ref_cfg, extra)))
+                plan.append((variant_name(s, data_args), "imagefolder", s, extra, {}))
+                settle = max(settle, _choosing(bench, ref_cfg, extra))
     if bench.settings.tokens and "tokens" in definition.kinds():
         w = ref_cfg.workload
         # Enough windows that no timed step reads a window twice: the file is read as a real one would be.
-        needed = (bench.settings.warmup + bench.settings.steps + 1) * global_batch * int(w.seq_len) + 1
+        needed = (settle + bench.settings.warmup + bench.settings.steps + 1) * global_batch * int(w.seq_len) + 1
         tokens = token_file(bench.tokens_dir, tokens=needed, vocab=int(w.vocab), seed=int(ref_cfg.train.seed))
         for s in bench.settings.strategies:
             plan.append((f"{s}+tokens", "tokens", s, _file_args(bench, s, "tokens", tokens["path"],
@@ -255,15 +260,16 @@ def bench_workload(bench: Runs, workload: str) -> dict[str, Any]:
                 if rep == 0:
                     runs.append(item)
                 continue
-            name, kind, strategy, extra, env, *choosing = item
-            warmup = bench.settings.warmup + choosing[0] if choosing else None
-            runs.append(bench.run(RunSpec(workload, name, kind, strategy, extra=tuple(extra), env=env, warmup=warmup,
+            name, kind, strategy, extra, env = item
+            runs.append(bench.run(RunSpec(workload, name, kind, strategy, extra=tuple(extra), env=env,
+                                          warmup=bench.settings.warmup + settle,
                                           repeat=rep + 1, run_id=f"{workload}-{_slug(name)}-r{rep + 1}",
                                           program="reference" if kind == "reference" else "trainer")))
         if bench.interrupted:  # this repeat's other runs are listed as not run; no further repeats
             break
     _scaling(runs, n)
-    overhead = _telemetry_overhead(bench, workload, runs) if bench.settings.telemetry_overhead else None
+    overhead = (_telemetry_overhead(bench, workload, runs, warmup=bench.settings.warmup + settle)
+                if bench.settings.telemetry_overhead else None)
     names = [p["name"] if isinstance(p, dict) else p[0] for p in plan]
     summary = summarize(runs, names)
     summary_scaling(summary, n)
@@ -307,7 +313,7 @@ def _file_args(bench: Runs, strategy: str, kind: str, path: str, *more: str) -> 
     return extra
 
 
-def _telemetry_overhead(bench: Runs, workload: str, runs: list[dict]) -> dict[str, Any]:
+def _telemetry_overhead(bench: Runs, workload: str, runs: list[dict], *, warmup: int) -> dict[str, Any]:
     s = bench.settings.telemetry_strategy
     off, on, off_runs, on_runs, scrapes = [], [], [], [], 0
     for i in range(1, bench.settings.telemetry_repeats + 1):
@@ -318,11 +324,13 @@ def _telemetry_overhead(bench: Runs, workload: str, runs: list[dict]) -> dict[st
             a = next((r for r in runs if r["kind"] == "strategy" and r["strategy"] == s
                       and r["status"] == "ok"), None)
         if a is None:
-            a = bench.run(RunSpec(workload, f"telemetry-off-{i}", "telemetry_off", s, extra=("telemetry.port=0",)))
+            a = bench.run(RunSpec(workload, f"telemetry-off-{i}", "telemetry_off", s, extra=("telemetry.port=0",),
+                                  warmup=warmup))
             runs.append(a)
         port = free_port()
         z = bench.run(RunSpec(workload, f"telemetry-on-{i}", "telemetry_on", s,
-                              extra=(f"telemetry.port={port}", "telemetry.host=127.0.0.1"), scrape_port=port))
+                              extra=(f"telemetry.port={port}", "telemetry.host=127.0.0.1"), scrape_port=port,
+                              warmup=warmup))
         runs.append(z)
         if a["status"] == "ok" and z["status"] == "ok":
             off.append(a["step_s"])

@@ -47,7 +47,7 @@ def table(doc: dict, w: dict) -> str:
     warm, steps, reps = s["warmup"], s["steps"], s["repeats"]
     lines = [f"== bench {w['workload']}: global batch {w['global_batch']}, {where}, {warm} warm-up + {steps} "
              f"timed steps, {reps} repeat(s) (order rotated each repeat)",
-             f"per-card peaks over the timed steps {warm + 1}-{warm + steps}{_later(w, warm)} (each run resets its "
+             f"per-card peaks over the timed steps {_later(w, warm, steps)} (each run resets its "
              "peak counters when timing starts); cells: median (min-max) over the repeats", *_header(doc)]
     head = ["run", "strategy", "data", "procs/cards", "peak alloc MB", "peak reserved MB", "NVML used MB",
             "busiest/least", unit, "scaling vs 1", "status"]
@@ -110,11 +110,17 @@ def table(doc: dict, w: dict) -> str:
     return "\n".join(lines)
 
 
-def _later(w: dict, warm: int) -> str:
-    """The header's note on rows timed later than bench.warmup (data.decode=auto's choice first: auto_settle)."""
-    later = sorted({r["peak_window"][0] for r in w["runs"] if r.get("peak_window") and r["peak_window"][0] > warm
-                    and r["kind"] == "imagefolder"})
-    return f" (imagefolder rows with data.decode=auto: after its choice, from step {later[0] + 1})" if later else ""
+def _later(w: dict, warm: int, steps: int) -> str:
+    """The header's timed steps, and why they start later than bench.warmup where they do (bench.auto_settle: every
+    row first trains the steps data.decode=auto takes to choose; benches before that timed only those rows later)."""
+    starts = {r["peak_window"][0] for r in w["runs"] if r.get("peak_window")}
+    later = sorted(x for x in starts if x > warm)
+    if not later:
+        return f"{warm + 1}-{warm + steps}"
+    if len(starts) == 1:
+        return (f"{later[0] + 1}-{later[0] + steps} (every row trains {later[0] - warm} steps first, in which "
+                "data.decode=auto chooses where to decode, then the warm-up)")
+    return f"{warm + 1}-{warm + steps} (imagefolder rows with data.decode=auto: after its choice, from step {later[0] + 1})"
 
 
 def _auto_choice(runs: list[dict]) -> str:

@@ -172,8 +172,8 @@ def test_data_decode_auto_moves_jpegs_to_the_card_when_one_worker_cannot_keep_up
 @requires_gpus(1)
 def test_the_bench_times_an_auto_row_after_data_decode_auto_has_chosen(tmp_path):
     """bench.auto_settle: the imagefolder row with data.decode=auto (one worker, which cannot keep up) trains
-    SplitTuner.longest steps before its warm-up and timed steps; bench.json records the step the choice held
-    from, and the row's line says it chose before the timed steps exactly when it did."""
+    SplitTuner.longest steps before its warm-up and timed steps, and so does the synthetic row; bench.json records
+    the step the choice held from, and the row's line says it chose before the timed steps exactly when it did."""
     from _bench_helpers import runs_by_name, validate
 
     from job.bench.compare import AUTO_SHORTEST_STEP_S
@@ -192,6 +192,8 @@ def test_the_bench_times_an_auto_row_after_data_decode_auto_has_chosen(tmp_path)
     run = runs_by_name(doc)["ddp+imagefolder"]
     first = 10 + SplitTuner.longest(tuner_lookahead(1), step_s=AUTO_SHORTEST_STEP_S)
     assert run["peak_window"] == [first, first + 20] and run["timed_steps"] == 20
+    # the synthetic row is timed over the same steps
+    assert runs_by_name(doc)["ddp"]["peak_window"] == [first, first + 20]
     assert run["input_gpu_share"] is not None
     settled = run["input_auto_settled_step"]
     line = next(x for x in p.stdout.splitlines() if x.startswith("  ddp+imagefolder: "))

@@ -633,9 +633,13 @@ def test_a_real_data_row_says_what_data_decode_auto_ended_with():
     # the table's header names the later window of such rows
     from job.bench.table import _later
 
-    assert _later({"runs": [*w["runs"], _run("ddp", "strategy", "ddp", [], 1, 1.0)]}, 10) == (
-        " (imagefolder rows with data.decode=auto: after its choice, from step 295)")
-    assert _later({"runs": [_run("ddp", "strategy", "ddp", [], 1, 1.0)]}, 10) == ""
+    assert _later({"runs": [*w["runs"], _run("ddp", "strategy", "ddp", [], 1, 1.0)]}, 10, 150) == (
+        "11-160 (imagefolder rows with data.decode=auto: after its choice, from step 295)")  # a bench.json before
+    assert _later({"runs": [_run("ddp", "strategy", "ddp", [], 1, 1.0)]}, 10, 150) == "11-160"
+    # every row timed over the same later steps (bench_workload's settle)
+    assert _later({"runs": [*w["runs"], _run("ddp", "strategy", "ddp", [], 1, 1.0, window=(294, 444))]}, 10, 150) == (
+        "295-444 (every row trains 284 steps first, in which data.decode=auto chooses where to decode, then the "
+        "warm-up)")
     # chosen at step 295, one step into the timed window: its last change is in the timed steps
     w = {"units_per_sample": 1, "runs": [run(0.0, 1, 295)]}
     assert _input_lines(w, "img/s")[1].endswith("; data.decode=auto ended with the workers decoding every JPEG in 1 "
@@ -672,3 +676,47 @@ def test_imagefolder_rows_with_data_decode_auto_train_its_choice_before_their_ti
     assert steps(["data.workers=0"]) == 0
     assert steps(["data.workers=15"], cuda=0) == 0
     assert steps(["data.workers=15"], auto_settle=False) == 0
+
+
+def test_every_row_of_a_workload_is_timed_over_the_same_steps_as_its_auto_rows(monkeypatch, tmp_path):
+    """Where an imagefolder row's data.decode=auto first trains its choice (bench.auto_settle, on a GPU), every
+    other row of the workload (synthetic, a variant that fixes the decoder, the telemetry pair) trains as many
+    steps before its warm-up: every row is timed over the same steps. Without such a row all start at
+    bench.warmup."""
+    import importlib
+    from types import SimpleNamespace
+
+    compare = importlib.import_module("job.bench.compare")  # job.bench.compare is also a function
+    from job.bench.compare import AUTO_SHORTEST_STEP_S
+    from job.bench.results import empty_run
+    from job.data import SplitTuner, tuner_lookahead
+
+    monkeypatch.setattr(compare, "image_folder", lambda *a, **k: {"path": str(tmp_path)})
+
+    def plan(*, cuda, variants=("data.decode=gpu data.gpu_share=0.5",), decode="auto"):
+        specs = []
+
+        def run(spec):
+            specs.append(spec)
+            return empty_run(spec.name, spec.kind, spec.strategy, repeat=spec.repeat)
+
+        settings = SimpleNamespace(baseline="none", reference=False, strategies=["ddp"], imagefolder=True,
+                                   imagefolder_images=10, imagefolder_short_side=0, imagefolder_variants=list(variants),
+                                   tokens=False, warmup=10, steps=150, repeats=2, telemetry_overhead=True,
+                                   telemetry_strategy="ddp", telemetry_repeats=1, scrape_interval_s=1.0,
+                                   auto_settle=True)
+        fake = SimpleNamespace(settings=settings, cuda=cuda, cards=1, overrides={"data.workers": "4"}, images_dir=tmp_path,
+                               interrupted=False, run=run, first_card=lambda: "0",
+                               ref_cfg=lambda w: load([f"workload={w}", "data.workers=4", f"data.decode={decode}"]))
+        compare.bench_workload(fake, "resnet50")
+        return {(s.name, s.repeat): s.warmup for s in specs}
+
+    settle = SplitTuner.longest(tuner_lookahead(4), step_s=AUTO_SHORTEST_STEP_S)
+    got = plan(cuda=1)
+    assert {"ddp", "ddp+imagefolder", "ddp+imagefolder[decode=gpu gpu_share=0.5]", "telemetry-on-1"} <= {
+        name for name, _ in got}, got
+    assert set(got.values()) == {10 + settle}, got
+    assert set(plan(cuda=1, variants=()).values()) == {10 + settle}
+    assert set(plan(cuda=0).values()) == {10}  # no card: nothing chooses
+    assert set(plan(cuda=1, decode="cpu").values()) == {10}  # the decoder fixed: nothing chooses
+
