@@ -541,7 +541,7 @@ class EncodedBatch:
         out = torch.empty((self.n, 3, size, size), dtype=torch.uint8, device=device)
         if self.pixels is not None:  # one copy for every image the workers decoded
             out.index_copy_(0, self.rows.to(device, non_blocking=True), self.pixels.to(device, non_blocking=True))
-        for span in decode_spans(self.decoded, GPU_DECODE_BYTES) if files else []:
+        for span in decode_spans(self.decoded, GPU_DECODE_BYTES):  # none without JPEGs
             images = self._decode([files[i] for i in span], [self.jpegs[i][1] for i in span], out.device)
             self._crop(out, span, images, size)
             if out.device.type == "cuda":  # their last reads queued: see _decode
