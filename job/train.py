@@ -28,6 +28,7 @@ import torch
 from job import breakdown, config, failure, launch, memplan, phases, recompute, report, rundir
 from job import checkpoint as ckpt
 from job import workload as wl
+from job.cardgaps import CardGaps, idle_share
 from job.config import summary
 from job.data import BatchFailed, Data, SplitTuner, process_cpu_s, take_or_stop, thread_sched_s, usable_cores
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
@@ -42,6 +43,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 # A log line names the share of its window the loop waited for batches from this much on (5 %): below it the
 # wait is noise of the clock and the queue; above it the data path, not the model, sets the speed.
 DATA_WAIT_SHOWN = 0.05
+# The card idle between steps less than this share of the timed steps (and less than half the loop's wait): the
+# card's queued work covered the loop's wait for data (CardGaps).
+CARD_IDLE_SHOWN = 0.02
 CORE_WAIT_SHOWN = 0.05  # the training thread ready to run but waiting for a core this share of the timed steps: said
 _stop = threading.Event()
 _stop_signal: list[int | None] = [None]
@@ -266,7 +270,8 @@ class Trainer:
         self.evaluator = Evaluator(self.data, self.resolved, cfg.eval, strategy=self.strategy, device=self.device,
                                    micro_batch=self.micro_batch, channels_last=t.channels_last,
                                    precision=self.precision, steps=t.steps)
-        self.clock = _Clock()
+        self.gaps = CardGaps(self.device)  # the card's idle time between steps
+        self.clock = _Clock(self.gaps)
         self.clock.on_pause = getattr(self.batches, "exclude", None)
         self.peaks_from = 0  # the per-card peaks cover the steps after this one (set by the loop)
         report.card_rows(self.devices, rank=env.rank)  # NVML start-up and card mapping, before any timing
@@ -554,6 +559,7 @@ class Trainer:
                                                                   step=self.step + 1))
             except BatchFailed as f:  # every rank is here (a later micro-batch's vote), or there is one
                 self._stop_on_data_error(f.error)
+            self.gaps.ended()
             window.after_step(self.step)
             # Not finite: known for free on CPU, and after a device sync (log steps) on GPUs; every save
             # checks again with all ranks before writing.
@@ -577,6 +583,8 @@ class Trainer:
             # at this step, with a checkpoint, instead of one rank failing alone inside the next step.
             step_start = time.perf_counter()
             failed = self._fetch_ahead() if self.step < t.steps else None
+            if failed is None:
+                self.gaps.started()
             # One collective per step: stop if any rank was asked to, saw a loss that is not finite (which of
             # the two, every rank learns in save_checkpoint), or could not read its next batch.
             if self.strategy.any(_stop.is_set() or bad or failed is not None):
@@ -706,6 +714,7 @@ class Trainer:
             group["lr"] = t.lr * scale
 
     def _sync(self) -> None:
+        self.gaps.void()  # the card idles until the next step because of this sync, not for lack of input
         if self.device.type == "cuda":
             for d in self.devices:
                 torch.cuda.synchronize(d)
@@ -749,6 +758,8 @@ class Trainer:
                   "data_gpu_share": getattr(self.batches, "gpu_share", None),
                   "data_cpu_s": self._workers_mark[1] if self._workers_mark is not None else None,
                   "train_thread_s": thread_sched_s(),  # [on a core, waiting for one], seconds so far (this thread's)
+                  # the card's idle seconds between steps so far, and the steps they were measured on (CardGaps)
+                  **(dict(zip(("card_idle_s", "card_gaps"), self.gaps.read())) if self.gaps.on else {}),
                   "time": time.time(), "cards": rows, "memory_breakdown": kinds, **(val or {})}
         self.rundir.append_line("metrics.jsonl", json.dumps(record))
 
@@ -843,6 +854,7 @@ class Trainer:
         unit = self.workload.unit
         wait, busy, own, split = self.clock.inputs()
         ran, waited = self.clock.host()
+        card_idle = self.clock.card_idle()
         gpu_share = getattr(self.batches, "gpu_share", None)  # data.decode=auto's choice, at the end
         settled = getattr(self.batches, "settled_batch", None)  # None: no choice to make, or still choosing
         # every step after settled_step took only batches of the choice (a step takes accum_steps batches)
@@ -860,6 +872,7 @@ class Trainer:
             "data_gpu_share": gpu_share, "data_auto_settled_step": settled_step,
             # rank 0's training thread over the timed steps: the share it ran on a core, and it waited for one
             "train_thread_on_core": ran, "train_thread_waited_for_core": waited,
+            "card_idle_between_steps": card_idle,  # rank 0's card had nothing to run between steps (CardGaps)
             "cards": rows, "memory_breakdown": kinds,
         }
         self.rundir.write_text("summary.json", json.dumps(summary_doc, indent=2) + "\n")
@@ -875,7 +888,7 @@ class Trainer:
             log.info("%s", input_verdict(wait, busy, own, workers=getattr(self.batches, "workers", 0),
                                          cores=usable_cores(), ranks=self.env.world_size,
                                          gpu_share=gpu_share, choosing=gpu_share is not None and settled is None,
-                                         split=split, prefetch=bool(self.cfg.data.prefetch)))
+                                         split=split, prefetch=bool(self.cfg.data.prefetch), card_idle=card_idle))
         if waited is not None and waited >= CORE_WAIT_SHOWN:
             log.info("%s", host_verdict(waited, ran, workers=getattr(self.batches, "workers", 0),
                                         nice=int(self.cfg.data.worker_nice), cores=usable_cores(),
@@ -979,9 +992,12 @@ class _Window:
 
 class _Clock:
     """Training seconds between warm-up and the last step, minus logging and checkpoint writes (after a
-    device sync, so no GPU work is left out): what the final throughput divides by."""
+    device sync, so no GPU work is left out): what the final throughput divides by. `gaps` (CardGaps) is read at
+    its start and stop, and voided by its pauses."""
 
-    def __init__(self):
+    def __init__(self, gaps: CardGaps | None = None):
+        self.gaps = gaps
+        self.card: list = [None, None]  # gaps.read() at start, stop (on a GPU)
         self.start_step = self.end_step = None
         self.t0 = self.t1 = self.excluded = 0.0
         self.waited = 0.0  # seconds the loop waited for batches in the timed steps
@@ -992,11 +1008,16 @@ class _Clock:
     def start(self, step: int, workers: tuple | None = None) -> None:
         self.start_step, self.t0 = step, time.perf_counter()
         self.workers[0], self.thread[0] = workers, _thread_mark()
+        self.card[0] = self._card()
 
     def stop(self, step: int, workers: tuple | None = None) -> None:
         if self.start_step is not None:
             self.end_step, self.t1 = step, time.perf_counter()
             self.workers[1], self.thread[1] = workers, _thread_mark()
+            self.card[1] = self._card()
+
+    def _card(self) -> tuple[float, int] | None:
+        return self.gaps.read() if self.gaps is not None and self.gaps.on else None
 
     def add_wait(self, seconds: float) -> None:
         if self.start_step is not None and self.end_step is None:
@@ -1022,8 +1043,17 @@ class _Clock:
         a, b = self.thread
         return _cores(a, b, 1), _cores(a, b, 2)
 
+    def card_idle(self) -> float | None:
+        """The share of the timed steps the card had nothing to run between steps (CardGaps); None on a CPU, or
+        where no step between log steps was timed."""
+        if self.start_step is None or self.end_step is None:
+            return None
+        return idle_share(*self.card, steps=self.end_step - self.start_step, seconds=self.t1 - self.t0 - self.excluded)
+
     @contextlib.contextmanager
     def paused(self):
+        if self.gaps is not None:
+            self.gaps.void()
         t = time.perf_counter()
         try:
             yield
@@ -1060,22 +1090,33 @@ def host_verdict(waited: float, ran: float | None, *, workers: int, nice: int, c
 
 def input_verdict(wait: float, busy: float | None, own: float | None, *, workers: int, cores: int,
                   ranks: int = 1, gpu_share: float | None = None, choosing: bool = False,
-                  split: tuple[float, float, float] | None = None, prefetch: bool = False) -> str:
+                  split: tuple[float, float, float] | None = None, prefetch: bool = False,
+                  card_idle: float | None = None) -> str:
     """The run's last line when its loop waited for data: rank 0's `wait` (a share of the timed steps), the
     cores its `workers` kept busy (`busy`) and its own process did (`own`), of the `cores` it may use (every
     rank taken to load the host as rank 0 does), and the share of the JPEGs data.decode=auto moved to the GPU
     (`gpu_share`; `choosing`: it was still trying shares when the run ended): what held the input up, and
     what to change. `split` (InputTimings' shares of the timed steps: taking batches from the workers,
-    waiting for `move`, running it; `prefetch`: `move` ran on the prefetch thread) says where the wait went."""
+    waiting for `move`, running it; `prefetch`: `move` ran on the prefetch thread) says where the wait went.
+    `card_idle` (CardGaps: the share of the timed steps the card had nothing to run between steps) says what
+    the wait cost: where the card's queued work covered it, the card, not the input, set the pace."""
     line = f"input: the loop waited for data {wait:.0%} of the timed steps"
     if split is not None:
         take, move_wait, move_busy = split
         line += f" (taking batches from the workers {take:.0%}, moving them to the device {move_wait:.0%}"
         line += f"; the prefetch thread busy {move_busy:.0%})" if prefetch else ")"
+    if card_idle is not None:
+        line += f", and the card had nothing to run between steps {card_idle:.0%} of them"
+    # The card's queued work covered the wait: the card (the model, and any decoding there), not the input, set the pace.
+    covered = card_idle is not None and card_idle < CARD_IDLE_SHOWN and card_idle < wait / 2
+    on = f" and decoding {SplitTuner.what(gpu_share).removesuffix(' on the GPU')}" if gpu_share and not choosing else ""
+    card = (f": the card's queued work covered the wait, so the card (the model{on}), not the input, set the pace; "
+            "more workers or cores would not train faster")
     if not workers:
-        return line + "; it reads its own data (data.workers=0): set data.workers to read and decode in parallel"
+        return line + ("; it reads its own data (data.workers=0)" + card if covered else
+                       "; it reads its own data (data.workers=0): set data.workers to read and decode in parallel")
     if busy is None or own is None:
-        return line + f"; how busy its {workers} workers were is unknown here (no /proc)"
+        return line + f"; how busy its {workers} workers were is unknown here (no /proc)" + (card if covered else "")
     who = "its" if ranks == 1 else "rank 0's"
     line += (f"; {who} {workers} worker{'s' if workers != 1 else ''} kept {busy:.1f} cores busy and the training "
              f"process {own:.1f}, of {cores}")
@@ -1086,6 +1127,9 @@ def input_verdict(wait: float, busy: float | None, own: float | None, *, workers
                        "for good")
     if gpu_share:
         line += f"; data.decode=auto put {SplitTuner.what(gpu_share)}, where it trained faster"
+    if covered:
+        return line + card
+    if gpu_share:
         if gpu_share >= 1:
             return line + (": the GPU decoder, one batch at a time beside the model, is the limit (with more cores "
                            "per card the workers keep more of the JPEGs)")

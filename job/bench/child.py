@@ -114,6 +114,18 @@ def host_thread(records: list[dict], *, warmup: int, total: int) -> tuple[float 
     return tuple((float(y) - float(x)) / dt for x, y in zip(a["train_thread_s"], b["train_thread_s"]))
 
 
+def card_idle(records: list[dict], *, warmup: int, total: int) -> float | None:
+    """The share of the same records' window rank 0's card had nothing to run between steps, from its running
+    idle seconds and steps measured (`card_idle_s`, `card_gaps`: job.cardgaps); None off a GPU."""
+    from job.cardgaps import idle_share
+
+    a, b = _edges(records, warmup, total)
+    if a is None or b is None or a.get("card_gaps") is None or b.get("card_gaps") is None:
+        return None
+    return idle_share((float(a["card_idle_s"]), int(a["card_gaps"])), (float(b["card_idle_s"]), int(b["card_gaps"])),
+                      steps=total - warmup, seconds=float(b["time"]) - float(a["time"]))
+
+
 class _Scraper(threading.Thread):
     """Scrapes a /metrics URL every `interval` seconds, as Prometheus would, while a run trains."""
 
@@ -312,6 +324,7 @@ class Runs:
             "input_gpu_share": summary.get("data_gpu_share"),  # data.decode=auto's choice (rank 0's), at the end
             "input_auto_settled_step": summary.get("data_auto_settled_step"),  # every later step trained with it
             "host_thread_on_core": ran, "host_thread_waited": waited,
+            "card_idle": card_idle(records, warmup=warmup, total=total),
             "imbalance": summary.get("imbalance"), "cards": cards, "peak_window": window,
             "params": summary.get("params"),
         })

@@ -89,6 +89,7 @@ def table(doc: dict, w: dict) -> str:
             lines.append(f"  {c['a']} / {c['b']}: {what} {ratio}: {c['verdict']}{pairs}")
     lines += _input_lines(w, unit)
     lines += _host_lines(w)
+    lines += _card_lines(w)
     if w.get("imagefolder"):
         i = w["imagefolder"]
         side = f", resized to a short side of {i['short_side']} px" if i.get("short_side") else ""
@@ -188,6 +189,27 @@ def _host_lines(w: dict) -> list[str]:
             lines.append(f"  {name}: waited {waited:.1%} ({min(each):.1%}-{max(each):.1%}), ran {ran:.1%}")
     return (["the training thread waited for a free core (ready to run, not running; /proc's scheduler statistics), "
              "medians over the timed steps:"] + lines) if lines else []
+
+
+CARD_IDLE_SHOWN = 0.02  # a row whose card idled between steps this share of its timed steps lists every row's
+
+
+def _card_lines(w: dict) -> list[str]:
+    """Where one row's card had nothing to run between steps CARD_IDLE_SHOWN of its timed steps or more (medians),
+    every row's share, so the rows whose input kept the card busy stand beside it: a loop that waited for data
+    while its card stayed busy lost nothing to the wait."""
+    import statistics
+
+    shares = {}
+    for name in dict.fromkeys(r["name"] for r in w["runs"]):
+        each = [r["card_idle"] for r in w["runs"]
+                if r["name"] == name and r["status"] == "ok" and r.get("card_idle") is not None]
+        if each:
+            shares[name] = (statistics.median(each), min(each), max(each))
+    if not any(m >= CARD_IDLE_SHOWN for m, _, _ in shares.values()):
+        return []
+    return (["the card had nothing to run between steps (CUDA events on the training stream), medians over the "
+             "timed steps:"] + [f"  {name}: {m:.1%} ({lo:.1%}-{hi:.1%})" for name, (m, lo, hi) in shares.items()])
 
 
 def _kinds_table(rows: list[dict]) -> list[str]:

@@ -202,6 +202,8 @@ def test_a_training_thread_that_waits_for_a_core_is_said_in_one_line_and_summary
     lines = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     seconds = [x["train_thread_s"] for x in lines]
     assert all(len(s) == 2 for s in seconds) and all(b[0] >= a[0] and b[1] >= a[1] for a, b in zip(seconds, seconds[1:]))
+    # no card: no idle time between steps to measure (tests/gpu measures a card's), and no field pretending one
+    assert summary["card_idle_between_steps"] is None and not any("card_gaps" in x for x in lines)
     said = [x for x in (p.stdout + p.stderr).splitlines() if "host: the training thread waited for a free core" in x]
     assert len(said) == 1 and f"{waited:.0%} of the timed steps" in said[0], p.stdout + p.stderr
     assert "on the 1 core it may use" in said[0] and "give the run cores of its own" in said[0]

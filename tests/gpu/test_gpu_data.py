@@ -231,3 +231,31 @@ def test_the_training_streams_pinned_slots_give_the_default_hand_overs_batches(t
     assert len(seen) == 40 and all(kw == {"pinned": True} for _, kw in seen) and len(seen[0][0]._rings) == 2 * 3
     for (xa, ya), (xb, yb) in zip(slots, plain):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+@requires_gpus(1)
+def test_the_card_idles_between_steps_where_the_input_is_late_and_not_where_it_keeps_up(tmp_path):
+    """CardGaps on a card: ResNet-50 from JPEGs that the training thread decodes itself (data.workers=0) leaves
+    the card idle between steps most of the time, about as much as the loop waited; on synthetic data the host
+    runs ahead of the card, which hardly idles. The input line says which."""
+    folder = image_folder(tmp_path / "imgs", 200, seed=4)
+    common = ("workload=resnet50", "strategy=ddp", "strategy.nprocs=1", "workload.num_classes=10",
+              "train.batch_size=128", "train.steps=40", "train.timing_warmup=10", "train.log_every=10",
+              "train.amp=bf16", "train.channels_last=true", f"train.run_dir={tmp_path}")
+    runs = {"synthetic": ("data.kind=synthetic",),
+            "files": ("data.kind=imagefolder", f"data.path={folder['path']}", "data.workers=0", "data.decode=cpu")}
+    s = {}
+    for name, extra in runs.items():
+        p = subprocess.run(job_cmd("train", *common, *extra, f"train.run_id={name}"), cwd=ROOT, capture_output=True,
+                           text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-4000:]
+        s[name] = json.loads((tmp_path / name / "summary.json").read_text())
+        s[name]["stderr"] = p.stderr
+        lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert all(r["card_gaps"] <= r["step"] for r in lines)
+        print(f"{name}: loop waited {s[name]['data_wait']:.1%}, card idle between steps "
+              f"{s[name]['card_idle_between_steps']:.1%}")
+    files, synthetic = s["files"], s["synthetic"]
+    assert 0.5 < files["card_idle_between_steps"] <= files["data_wait"] + 0.05
+    assert "and the card had nothing to run between steps" in files["stderr"]
+    assert synthetic["card_idle_between_steps"] < 0.05

@@ -158,6 +158,32 @@ def test_the_training_threads_shares_are_its_scheduler_seconds_over_the_window()
     assert _host_lines({"runs": [run("ddp", 0.001, 1)]}) == []
 
 
+
+def test_the_cards_idle_share_is_its_mean_gap_over_every_step_of_the_window():
+    """card_idle_s and card_gaps (CardGaps' running figures) at the window's edges: 9 of 10 steps measured (a
+    log step's sync voids its gap), 0.18 s idle among them, over 2 s: 20 ms a step for 10 steps, 10 %. The
+    table lists every row's share once one row's card idled 2 % or more."""
+    from job.bench.child import card_idle
+    from job.bench.table import _card_lines
+
+    recs = [{"step": 10, "time": 100.0, "card_idle_s": 0.5, "card_gaps": 9},
+            {"step": 20, "time": 102.0, "card_idle_s": 0.68, "card_gaps": 18}]
+    assert card_idle(recs, warmup=10, total=20) == pytest.approx(0.1)
+    assert card_idle([{k: v for k, v in r.items() if not k.startswith("card")} for r in recs], warmup=10,
+                     total=20) is None  # off a GPU
+    assert card_idle(recs, warmup=12, total=20) is None  # no record at step 12
+
+    def run(name, idle, repeat):
+        return {**_run(name, "strategy", "ddp", [], 1, 3000.0, repeat=repeat), "card_idle": idle}
+
+    w = {"runs": [run("ddp", 0.001, 1), run("ddp", 0.003, 2), run("ddp+imagefolder", 0.08, 1),
+                  run("ddp+imagefolder", 0.05, 2), run("ddp+imagefolder", 0.12, 3), run("loop", None, 1)]}
+    assert _card_lines(w) == ["the card had nothing to run between steps (CUDA events on the training stream), "
+                              "medians over the timed steps:", "  ddp: 0.2% (0.1%-0.3%)",
+                              "  ddp+imagefolder: 8.0% (5.0%-12.0%)"]
+    assert _card_lines({"runs": w["runs"][:2]}) == []
+
+
 @pytest.mark.parametrize("log, line", [
     ("step 1\nerror: ddp: micro-batch 15 is not a multiple of 2 ranks\n", "ddp: micro-batch 15 is not a multiple of 2 ranks"),
     ("Traceback (most recent call last):\n  File x\ntorch.OutOfMemoryError: CUDA out of memory. Tried\n",
@@ -193,7 +219,7 @@ def _run(name, kind, strategy, cards, world, sps, *, repeat=1, status="ok", reas
          "units": len(cards), "timed_steps": 50, "samples_per_s": sps, "units_per_s": sps * 1024 if sps else None,
          "step_s": 16 / sps if sps else None, "trainer_samples_per_s": sps, "trained_samples_per_s": sps,
          "input_samples_per_s": None, "input_worker_cores": None, "input_gpu_share": None,
-         "input_auto_settled_step": None, "host_thread_on_core": None, "host_thread_waited": None,
+         "input_auto_settled_step": None, "host_thread_on_core": None, "host_thread_waited": None, "card_idle": None,
          "imbalance": None, "scaling_vs_1": None,
          "scaling_note": None, "peak_window": list(window) if status == "ok" else None, "window_note": None,
          "cards": cards, "scrapes_ok": None, "scrapes_failed": None, "params": None}

@@ -170,6 +170,36 @@ def test_the_input_line_says_where_the_wait_went():
                            "8%, moving them to the device 22%); its 16"), line
 
 
+
+def test_the_input_line_says_when_the_cards_queued_work_covered_the_wait():
+    """The card idle between steps (CardGaps) far less than the loop waited: the wait cost nothing, and the
+    remedies for a slow input (more workers, cores) would not help; a card that did idle keeps the usual verdict."""
+    from job.train import input_verdict
+
+    covered = (": the card's queued work covered the wait, so the card (the model), not the input, set the pace; "
+               "more workers or cores would not train faster")
+    line = input_verdict(0.12, 8.5, 1.4, workers=16, cores=16, split=(0.01, 0.11, 0.6), prefetch=True, card_idle=0.004)
+    assert line == ("input: the loop waited for data 12% of the timed steps (taking batches from the workers 1%, "
+                    "moving them to the device 11%; the prefetch thread busy 60%), and the card had nothing to run "
+                    "between steps 0% of them; its 16 workers kept 8.5 cores busy and the training process 1.4, of 16"
+                    + covered), line
+    line = input_verdict(0.12, 8.5, 1.4, workers=16, cores=16, gpu_share=0.55, card_idle=0.01)
+    assert line.endswith("; data.decode=auto put 55% of the JPEGs on the GPU, where it trained faster: the card's "
+                         "queued work covered the wait, so the card (the model and decoding 55% of the JPEGs), not "
+                         "the input, set the pace; more workers or cores would not train faster"), line
+    assert input_verdict(0.3, 0.0, 1.0, workers=0, cores=2, card_idle=0.0).endswith(
+        "; it reads its own data (data.workers=0)" + covered)
+    # The card idled: the wait cost time, the usual verdict (here the host's cores)
+    line = input_verdict(0.3, 15.2, 0.9, workers=16, cores=16, card_idle=0.25)
+    assert "between steps 25% of them" in line and line.endswith("python -m job.shrink, or for JPEGs on a GPU "
+                                                                 "data.decode=gpu data.gpu_share=0.5)"), line
+    # A wait too small to judge against the card's (an idle share not under half of it) is not called covered
+    assert "covered" not in input_verdict(0.03, 15.2, 0.9, workers=16, cores=16, card_idle=0.019)
+    # Still choosing: the trials are the news, whatever the card did
+    assert "covered" not in input_verdict(0.3, 1.0, 1.2, workers=7, cores=8, gpu_share=1.0, choosing=True,
+                                          card_idle=0.0)
+
+
 class _Items:
     """Sample i: (a 2-vector of i, i)."""
 
