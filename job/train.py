@@ -271,6 +271,7 @@ class Trainer:
                                    micro_batch=self.micro_batch, channels_last=t.channels_last,
                                    precision=self.precision, steps=t.steps)
         self.gaps = CardGaps(self.device)  # the card's idle time between steps
+        self._gaps_mark = self.gaps.read()  # the log line's card idle figure: CardGaps.read() at the last line
         self.clock = _Clock(self.gaps)
         self.clock.on_pause = getattr(self.batches, "exclude", None)
         self.peaks_from = 0  # the per-card peaks cover the steps after this one (set by the loop)
@@ -701,7 +702,8 @@ class Trainer:
             val = self.evaluator.run(self.step) if evaluating else None  # weights and RNG left as they were
             card_every = self.cfg.telemetry.log_every or t.log_every
             self._log_step(self._last_loss, rate, wait, memory,
-                           cards=self.step % card_every == 0 or self.step == t.steps, val=val)
+                           cards=self.step % card_every == 0 or self.step == t.steps, steps=steps, seconds=elapsed,
+                           val=val)
         self._loss_sum.zero_()
         self._data_wait = 0.0
         self._logged_at, self._logged_step = time.perf_counter(), self.step
@@ -726,10 +728,11 @@ class Trainer:
         return [r for mine, _ in ranks for r in mine], [r for _, kinds in ranks for r in kinds]
 
     def _log_step(self, loss: float, rate: float, wait: float, memory: tuple[list[dict], list[dict]], *, cards: bool,
-                  val: dict | None = None) -> None:
-        """`wait`: the share of the window this rank's loop spent waiting for its next batch (from DataLoader
-        workers, the pinning thread, a file): the line says it from DATA_WAIT_SHOWN on, metrics.jsonl always.
-        `memory`: `_memory_rows()` at this step."""
+                  steps: int, seconds: float, val: dict | None = None) -> None:
+        """`wait`: the share of the window (`steps` steps, `seconds` long) this rank's loop spent waiting for its
+        next batch (from DataLoader workers, the pinning thread, a file): the line says it from DATA_WAIT_SHOWN on,
+        with the card's idle share between steps (CardGaps), metrics.jsonl always. `memory`: `_memory_rows()` at
+        this step."""
         rows, kinds = memory
         if val is not None and self.telemetry is not None:
             self.telemetry.observe_validation(val)
@@ -741,9 +744,12 @@ class Trainer:
         made, taken = counts() if counts is not None else (None, None)
         mark, self._workers_mark = self._workers_mark, _workers_cpu(self.batches)
         busy = _cores(mark, self._workers_mark, 1)  # the workers' cores since the last line
+        gaps, self._gaps_mark = self._gaps_mark, self.gaps.read()
+        idle = idle_share(gaps, self._gaps_mark, steps=steps, seconds=seconds) if self.gaps.on else None
         waited = ""
         if wait >= DATA_WAIT_SHOWN:
-            waited = f"  waited for data {wait:.0%}"
+            waited = f"  waited for data {wait:.0%}" + (f" (the card idle between steps {idle:.0%})" if idle is not None
+                                                        else "")
             if busy is not None:  # all of them: the host's cores are the limit; fewer: the workers wait on something
                 who, n = "its" if self.env.world_size == 1 else "rank 0's", self.batches.workers
                 waited += f", {who} {n} worker{'s' if n != 1 else ''} busy on {busy:.1f} of {usable_cores()} cores"

@@ -6,6 +6,7 @@ benchmark's to check (bench.imagefolder), not a test's."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import pytest
@@ -258,4 +259,5 @@ def test_the_card_idles_between_steps_where_the_input_is_late_and_not_where_it_k
     files, synthetic = s["files"], s["synthetic"]
     assert 0.5 < files["card_idle_between_steps"] <= files["data_wait"] + 0.05
     assert "and the card had nothing to run between steps" in files["stderr"]
+    assert re.search(r"waited for data \d+% \(the card idle between steps \d+%\)", files["stderr"]), files["stderr"][-3000:]
     assert synthetic["card_idle_between_steps"] < 0.05

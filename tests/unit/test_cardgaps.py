@@ -116,3 +116,53 @@ def test_the_window_share_is_the_mean_gap_over_every_step_of_the_window():
     assert idle_share((1.0, 10), (1.0, 10), steps=20, seconds=4.0) is None  # no step measured (train.log_every=1)
     assert idle_share(None, (1.0, 10), steps=20, seconds=4.0) is None
     assert idle_share((0.0, 0), (0.1, 5), steps=5, seconds=0.0) is None
+
+
+def test_the_training_loop_pairs_each_step_with_the_next_ones_input_and_voids_the_log_steps(tmp_path, monkeypatch):
+    """The trainer's marks, on the CPU with host-clock events standing in for the card's: a step's end pairs
+    with the next step's batch, except across a log step (its sync) or a pause (the memory plan's check, the
+    clock's start); the summary and each log record carry the figures."""
+    import json
+    import time
+
+    from job import config, train
+
+    class HostEvent:
+        def record(self, stream):
+            self.t = time.perf_counter()
+
+        def query(self):
+            return True
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    paired, made = [], []
+
+    class Gaps(CardGaps):
+        def __init__(self, device):
+            super().__init__(device, event=HostEvent, stream=lambda: None)
+            self.on, self.step = True, 0
+            made.append(self)
+
+        def ended(self):
+            self.step += 1  # called once a step
+            super().ended()
+
+        def started(self):
+            if self._end is not None:
+                paired.append(self.step)
+            super().started()
+
+    monkeypatch.setattr(train, "CardGaps", Gaps)
+    cfg = config.load(["workload=tiny", "workload.width=8", "workload.image_size=16", "train.batch_size=8",
+                       "strategy=ddp", "train.device=cpu", "train.steps=16", "train.log_every=4",
+                       "train.timing_warmup=4", f"train.run_dir={tmp_path}", "train.run_id=r",
+                       "train.final_checkpoint=false"])
+    assert train.run(cfg) == 0
+    assert len(made) == 1 and made[0].step == 16
+    assert not {4, 8, 12, 16} & set(paired) and {5, 6, 7, 9, 10, 11, 13, 14, 15} <= set(paired), paired
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert 0.0 < summary["card_idle_between_steps"] < 1.0
+    records = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["card_gaps"] for r in records] == [sum(1 for s in paired if s < r["step"]) for r in records]
