@@ -34,6 +34,7 @@ from collections.abc import Iterator
 import torch
 
 from job import workload as wl
+from job.cardgaps import idle_share
 from job.datasets import BadImage, GpuSplit, SampleIndex  # noqa: F401  (BadImage: the data layer's one-line error)
 from job.errors import UsageError
 from job.handover import SPARE_SLOTS, HostSlots, SlotBatch, SlotCollate
@@ -561,6 +562,11 @@ class Stream:
         self.tuner.observe(now, now - t, *self.counts())
         return x, y
 
+    def watch_card(self, read) -> None:
+        """Give data.decode=auto's windows the card's idle time between steps: `read` is a CardGaps' read."""
+        if self.tuner is not None:
+            self.tuner.card = read
+
     def exclude(self, seconds: float) -> None:
         """The training process paused `seconds` (a checkpoint, an evaluation, a log line): left out of the
         tuner's window, as the trainer's own clock leaves it out."""
@@ -632,7 +638,9 @@ class SplitTuner:
        the workers JPEGs for nothing): every JPEG on the GPU where that sustained GAIN more than the workers,
        else the workers, which come back otherwise.
 
-    Each step is one log line. The samples are the same crops either way (the pixels within the two
+    Each step is one log line; where the trainer gives it the card's idle time between steps (`card`: a
+    CardGaps' read), each window's share is in it too (the loop's wait is host time, which the card's queued
+    work may cover). The samples are the same crops either way (the pixels within the two
     decoders' rounding); a resumed run chooses again. `settled_batch` says from which batch the choice
     holds; `longest` bounds how many batches choosing can take."""
 
@@ -653,7 +661,8 @@ class SplitTuner:
         self.g = 0  # batches the stream has handed out
         self.share = 0.0  # the share of the JPEGs on the GPU now (the last change's, once the workers reach it)
         self.start_at = self.lookahead + self.FIRST
-        self.window: list | None = None  # [time, made, taken, seconds waited, batches] at its start
+        self.window: list | None = None  # [time, made, taken, seconds waited, batches, card's read] at its start
+        self.card = None  # () -> (idle seconds, steps measured) of the card between steps (CardGaps.read), or None
         self.rates: dict[float, float] = {}  # samples a second each share tried sustained, in the order tried
         self.gpu_waited = True  # whether the loop waited for data with every JPEG on the GPU
         self.done = False
@@ -699,7 +708,7 @@ class SplitTuner:
         if self.done or self.g < self.start_at:
             return
         if self.window is None:
-            self.window = [now, made, taken, 0.0, 0]
+            self.window = [now, made, taken, 0.0, 0, self.card() if self.card else None]
             return
         w = self.window
         w[3] += waited
@@ -710,18 +719,22 @@ class SplitTuner:
         self.window = None
         trained, input_rate = (taken - w[2]) / seconds, (made - w[1]) / seconds
         wait = w[3] / seconds
-        self._decide(min(trained, input_rate), wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4])
+        idle = idle_share(w[5], self.card(), steps=w[4], seconds=seconds) if self.card else None
+        self._decide(min(trained, input_rate), wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4], idle)
 
-    def _decide(self, rate: float, wait: float, limited: bool, w_steps: int) -> None:
+    def _decide(self, rate: float, wait: float, limited: bool, w_steps: int, idle: float | None = None) -> None:
         share = self.share
         self.rates[share] = rate
+        card = "" if idle is None else f"the card idle between steps {idle:.0%}"
         sustained = f"{self.what(share)} sustained {rate:,.0f} samples/s"
         if share == 0.0:  # the workers alone
             if limited:
-                self._try(1.0, f"the loop waited for data {wait:.0%} of {w_steps} steps ({sustained})")
+                self._try(1.0, f"the loop waited for data {wait:.0%} of {w_steps} steps ({sustained}"
+                               + (f"; {card})" if card else ")"))
             else:
                 self.done = True
             return
+        sustained += f" ({card})" if card else ""
         workers = self.rates[0.0]
         gpu = self.rates.get(1.0, 0.0)
         fallback = 1.0 if gpu >= workers * self.GAIN else 0.0  # the GPU decoder is kept for a 5 % gain only

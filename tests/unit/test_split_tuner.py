@@ -336,3 +336,28 @@ def test_a_window_of_very_short_steps_lasts_long_enough_to_time():
         tuner.observe(t, 0.0, 8 * g, 8 * g)
     assert tuner.done and abs(g - (10 + round(SplitTuner.WINDOW_S / 0.001))) <= 1
     assert tuner.rates == {0.0: pytest.approx(8000.0)}
+
+
+def test_each_window_says_the_cards_idle_share_where_the_trainer_measures_it():
+    """With the card's idle time between steps (CardGaps' read, here a fake card idle as long as the loop
+    waited), every line gives each window's share; the choice is the same as without it."""
+    plain = _Fake(*_two_decoders(2250.0, 5600.0, 6600.0)).run()
+    fake = _Fake(*_two_decoders(2250.0, 5600.0, 6600.0))
+    idle = [0.0, 0]
+
+    def observe(t, waited, made, taken, _observe=fake.tuner.observe):
+        idle[0] += waited  # the card idles exactly while the loop waits
+        idle[1] += 1
+        _observe(t, waited, made, taken)
+
+    fake.tuner.observe = observe
+    fake.tuner.card = lambda: tuple(idle)
+    fake.run()
+    assert fake.shares == plain.shares == [0.0, 1.0, 0.7]
+    assert fake.said[0].startswith("data.decode=auto: the loop waited for data 66% of 40 steps (the workers decoding "
+                                   "every JPEG sustained 2,250 samples/s; the card idle between steps 66%); trying")
+    assert fake.said[1].startswith("data.decode=auto: every JPEG on the GPU sustained 5,600 samples/s (the card idle "
+                                   "between steps 15%) against 2,250 with the workers decoding every JPEG, and the "
+                                   "loop still waited for data 15%")
+    assert fake.said[2].startswith("data.decode=auto: 70% of the JPEGs on the GPU sustained 6,600 samples/s (the card "
+                                   "idle between steps 0%) against 5,600 with every JPEG on the GPU: keeping it")
