@@ -192,10 +192,15 @@ class Data:
         tuner = None
         if self._follows_split(ds):
             tuner = SplitTuner(self._split, first_id=lambda g: start + g * micro_batch,
-                               lookahead=tuner_lookahead(self.cfg.workers), device=device)
+                               lookahead=tuner_lookahead(self.cfg.workers, self._depth(prefetch)), device=device)
         return _loader(self.resolved.name, ds, sampler, workers=self.cfg.workers, device=device, channels_last=channels_last,
-                       prefetch=prefetch, persistent=True, nice=self.cfg.worker_nice, tuner=tuner,
+                       prefetch=prefetch, depth=self._depth(prefetch), persistent=True, nice=self.cfg.worker_nice, tuner=tuner,
                        seed=self.seed * 1_000_003 + start * 1_009 + offset)
+
+    def _depth(self, prefetch: bool) -> int:
+        """Batches the prefetch thread moves ahead (data.prefetch_depth; 1 without data.prefetch: the one being
+        made)."""
+        return int(self.cfg.prefetch_depth) if prefetch else 1
 
     # -- held-out batches ---------------------------------------------------------------------------
     def has_val(self, eval_every: int) -> bool:
@@ -368,7 +373,7 @@ def _takes(fn, keyword: str) -> bool:
 
 
 def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device, channels_last: bool, prefetch: bool,
-            persistent: bool, nice: int = 0, tuner: SplitTuner | None = None, seed: int = 0):
+            persistent: bool, nice: int = 0, tuner: SplitTuner | None = None, seed: int = 0, depth: int = 1):
     collate, move = _hooks(name, ds, device, channels_last)
     made = None
     if workers and persistent:  # the training stream: its batches cross in slots the workers reuse
@@ -391,7 +396,7 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
     first = move(first)
     timings = InputTimings()
     if prefetch:
-        stream = itertools.chain([first], Prefetcher(it, device, move, timings))
+        stream = itertools.chain([first], Prefetcher(it, device, move, timings, depth=depth))
     else:
         stream = itertools.chain([first], _moved(it, move, timings))
     if made is None:
@@ -608,10 +613,11 @@ class Stream:
         return total if self.pids else None
 
 
-def tuner_lookahead(workers: int) -> int:
+def tuner_lookahead(workers: int, depth: int = 1) -> int:
     """Batches past the one handed out now that `workers` may have started (data.workers x PREFETCH_FACTOR,
-    and a few in the pinning and prefetch threads): where a SplitTuner change takes effect."""
-    return workers * PREFETCH_FACTOR + 4
+    a few in the pinning and prefetch threads, and the prefetch thread's further `depth` - 1,
+    data.prefetch_depth's): where a SplitTuner change takes effect."""
+    return workers * PREFETCH_FACTOR + 4 + max(0, depth - 1)
 
 
 class SplitTuner:
@@ -941,22 +947,35 @@ class Prefetcher:
     decoding; it did not keep the GPU decoder from halving the run, docs/benchmarks.md.)
 
     The loader is still read by the calling thread, in order (with data.workers=0 the samples are made
-    there, as without prefetch); only `move` runs on the prefetch thread, one batch ahead, so no more
-    batches are alive than before (the one training, the one being made). On a GPU `move` runs on a side
+    there, as without prefetch); only `move` runs on the prefetch thread, `depth` batches ahead
+    (data.prefetch_depth; at 1 no more batches are alive than without prefetch: the one training, the one
+    being made; each more holds one more moved batch on the device, and takes one more batch from the loader
+    ahead). Moves run one at a time, in order. On a GPU `move` runs on a side
     stream: the consumer's stream waits on its event before use, and `record_stream` tells the caching
     allocator the tensors are used on the compute stream, so their memory is not reused too early. An
     exception in `move` or in taking a batch from the loader (a file that does not decode) is raised by the
-    `next` that would have returned that batch, in the training thread.
+    `next` that would have returned that batch, in the training thread; no batch after it is taken.
     """
 
-    def __init__(self, it, device: torch.device, move, timings: InputTimings | None = None):
+    def __init__(self, it, device: torch.device, move, timings: InputTimings | None = None, depth: int = 1):
+        import collections
         from concurrent.futures import ThreadPoolExecutor
 
-        self.it, self.device, self.move = it, device, move
+        self.it, self.device, self.move, self.depth = it, device, move, max(1, int(depth))
         self.timings = timings if timings is not None else InputTimings()
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="job-prefetch")
-        self.pending = self._submit()
+        self.pending: collections.deque = collections.deque()  # the moves submitted, in the loader's order
+        self.ended = False  # the loader is done, or failed: nothing more is taken from it
+        self._fill()
+
+    def _fill(self) -> None:
+        while not self.ended and len(self.pending) < self.depth:
+            future = self._submit()
+            if future is None:
+                self.ended = True
+            else:
+                self.pending.append(future)
 
     def _submit(self):
         t = time.perf_counter()
@@ -969,6 +988,7 @@ class Prefetcher:
 
             failed = Future()
             failed.set_exception(e)
+            self.ended = True
             return failed
         finally:
             self.timings.take += time.perf_counter() - t
@@ -991,14 +1011,15 @@ class Prefetcher:
         return self
 
     def __next__(self):
-        if self.pending is None:
+        if not self.pending:
             self.pool.shutdown(wait=False)
             raise StopIteration
         t = time.perf_counter()
         try:
-            x, y, event = self.pending.result()
+            x, y, event = self.pending.popleft().result()
         except BaseException:
-            self.pending = None
+            self.pending.clear()
+            self.ended = True
             self.pool.shutdown(wait=False)
             raise
         finally:
@@ -1008,5 +1029,5 @@ class Prefetcher:
             stream.wait_event(event)
             x.record_stream(stream)
             y.record_stream(stream)
-        self.pending = self._submit()
+        self._fill()
         return x, y

@@ -300,7 +300,9 @@ def _choosing(bench: Runs, ref_cfg, extra: list[str]) -> int:
     workers = int(given.get("data.workers", ref_cfg.data.workers))
     if not (bench.settings.auto_settle and bench.cuda and decode == "auto" and workers):
         return 0
-    return SplitTuner.longest(tuner_lookahead(workers), step_s=AUTO_SHORTEST_STEP_S)
+    prefetch = given.get("data.prefetch", "true").lower() == "true"  # the bench's file rows prefetch unless told
+    depth = int(given.get("data.prefetch_depth", ref_cfg.data.prefetch_depth)) if prefetch else 1
+    return SplitTuner.longest(tuner_lookahead(workers, depth), step_s=AUTO_SHORTEST_STEP_S)
 
 
 def _file_args(bench: Runs, strategy: str, kind: str, path: str, *more: str) -> list[str]:

@@ -99,7 +99,7 @@ def multi_process(name: str) -> bool:
     return REGISTRY[registered_name(name)].multi_process
 
 
-VARIANT_KEYS = ("decode", "gpu_share", "workers", "worker_nice", "prefetch")  # data.* an imagefolder variant sets
+VARIANT_KEYS = ("decode", "gpu_share", "workers", "worker_nice", "prefetch", "prefetch_depth")  # data.* an imagefolder variant sets
 
 
 def variant_args(text: str) -> list[str]:

@@ -700,6 +700,10 @@ def test_imagefolder_rows_with_data_decode_auto_train_its_choice_before_their_ti
     assert steps(["data.workers=2"], keys=["data.workers=7"]) == SplitTuner.longest(8, step_s=AUTO_SHORTEST_STEP_S)
     assert steps([], keys=["data.workers=7"]) == SplitTuner.longest(18, step_s=AUTO_SHORTEST_STEP_S)
     assert steps(["data.workers=0"]) == 0
+    # a deeper prefetch takes batches further ahead, so each change of share lands further on
+    deeper = SplitTuner.longest(tuner_lookahead(15, 3), step_s=AUTO_SHORTEST_STEP_S)
+    assert steps(["data.workers=15", "data.prefetch=true", "data.prefetch_depth=3"]) == deeper > longest
+    assert steps(["data.workers=15", "data.prefetch_depth=3", "data.prefetch=false"]) == longest
     assert steps(["data.workers=15"], cuda=0) == 0
     assert steps(["data.workers=15"], auto_settle=False) == 0
 

@@ -126,6 +126,59 @@ def test_the_prefetcher_moves_the_next_batch_on_its_thread_in_order_and_raises_i
         next(done)
 
 
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_the_prefetch_thread_prepares_depth_batches_ahead_in_order(depth):
+    """data.prefetch_depth: the loader is read `depth` batches ahead of the one handed out (never more), the
+    batches come out in the loader's order, a failed move is raised by the `next` for its batch with nothing
+    taken after it, and the end of the loader ends the stream."""
+    from job.data import Prefetcher
+
+    taken = []
+
+    def loader(n=8):
+        for i in range(n):
+            taken.append(i)
+            yield torch.full((2,), i), torch.tensor([i])
+
+    def move(batch):
+        x, y = batch
+        if int(y) == 5:
+            raise BadImage("cannot read image c0/5.jpg (damaged); fix or remove the file")
+        return x * 10, y
+
+    p = Prefetcher(loader(), torch.device("cpu"), move, depth=depth)
+    assert taken == list(range(depth))
+    for i in range(5):
+        x, y = next(p)
+        assert int(y) == i and torch.equal(x, torch.full((2,), 10 * i))
+        assert taken == list(range(min(i + 1 + depth, 8)))
+    with pytest.raises(BadImage, match="c0/5.jpg"):
+        next(p)
+    with pytest.raises(StopIteration):
+        next(p)
+    short = Prefetcher(loader(2), torch.device("cpu"), lambda b: b, depth=depth)
+    assert [int(y) for _, y in short] == [0, 1]
+
+    def failing():  # the loader itself fails at batch 2 (a worker's error): raised there, nothing taken after
+        yield torch.zeros(1), torch.tensor([0])
+        yield torch.zeros(1), torch.tensor([1])
+        raise BadImage("cannot read image c1/2.jpg (damaged); fix or remove the file")
+
+    f = Prefetcher(failing(), torch.device("cpu"), lambda b: b, depth=depth)
+    assert [int(next(f)[1]) for _ in range(2)] == [0, 1]
+    with pytest.raises(BadImage, match="c1/2.jpg"):
+        next(f)
+    with pytest.raises(StopIteration):
+        next(f)
+
+
+def test_a_deeper_prefetch_moves_the_point_where_auto_changes_the_split_further_ahead():
+    from job.data import tuner_lookahead
+
+    assert tuner_lookahead(16) == tuner_lookahead(16, 1) == 16 * 2 + 4
+    assert tuner_lookahead(16, 3) == tuner_lookahead(16) + 2
+
+
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_the_stream_times_where_the_wait_for_a_batch_goes(prefetch):
     """InputTimings: the seconds taking batches from the loader (the workers and their hand-over), waiting for

@@ -334,15 +334,15 @@ def test_data_decode_autos_batches_of_pixels_cross_in_the_workers_slots(tmp_path
 def test_batches_are_the_same_with_workers_under_any_split(tmp_path, decode):
     """job.data's stream on image files: 2 DataLoader workers give the samples of 0 workers, and a split of
     each micro-batch into two shares (two ddp ranks) concatenates to the whole, with data.prefetch's
-    background thread or without it."""
+    background thread (one batch ahead, or three: data.prefetch_depth) or without it."""
     root = make_folder(tmp_path / "imgs", per_class=6)
     cfg = config.load(["workload=tiny", "workload.image_size=16", "workload.augment=true", "data.kind=imagefolder",
                        f"data.path={root}", f"data.decode={decode}", "train.device=cpu"])
     if decode == "gpu":  # on a CPU device data.decode=gpu is refused; the dataset's GPU path still runs on the CPU
         cfg.data.decode = "cpu"
 
-    def stream(workers: int, offset: int, count: int, prefetch: bool = False):
-        cfg.data.workers = workers
+    def stream(workers: int, offset: int, count: int, prefetch: bool = False, depth: int = 1):
+        cfg.data.workers, cfg.data.prefetch_depth = workers, depth
         d = Data(config.workload_of(cfg), config.workload_settings(cfg), cfg.data, seed=4, device=CPU)
         if decode == "gpu":
             ds, _ = d.train_set()
@@ -350,7 +350,7 @@ def test_batches_are_the_same_with_workers_under_any_split(tmp_path, decode):
         return d.batches(micro_batch=6, start=6, offset=offset, count=count, device=CPU, channels_last=False,
                          prefetch=prefetch)
 
-    whole, a, b = stream(0, 0, 6), stream(2, 0, 2, prefetch=True), stream(0, 2, 4, prefetch=True)
+    whole, a, b = stream(0, 0, 6), stream(2, 0, 2, prefetch=True, depth=3), stream(0, 2, 4, prefetch=True)
     for _ in range(3):  # past the end of the first epoch (12 files)
         x, y = next(whole)
         xa, ya = next(a)
