@@ -37,6 +37,7 @@ class CardGaps:
         self._pending: collections.deque = collections.deque()  # (ended, started) pairs not yet read
         self.seconds = 0.0  # idle seconds over the pairs read
         self.gaps = 0  # pairs read
+        self.steps = 0  # steps marked (`ended`), measured or not
 
     def _mark(self):
         e = self._free.pop() if self._free else self._event()
@@ -47,6 +48,7 @@ class CardGaps:
         """A step's kernels are queued."""
         if not self.on or self._capturing():
             return
+        self.steps += 1
         self.void()
         self._end = self._mark()
 

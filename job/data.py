@@ -568,7 +568,8 @@ class Stream:
         return x, y
 
     def watch_card(self, read) -> None:
-        """Give data.decode=auto's windows the card's idle time between steps: `read` is a CardGaps' read."""
+        """Give data.decode=auto's windows the card's idle time between steps: `read` returns a CardGaps' (idle
+        seconds, steps measured, steps marked)."""
         if self.tuner is not None:
             self.tuner.card = read
 
@@ -668,7 +669,7 @@ class SplitTuner:
         self.share = 0.0  # the share of the JPEGs on the GPU now (the last change's, once the workers reach it)
         self.start_at = self.lookahead + self.FIRST
         self.window: list | None = None  # [time, made, taken, seconds waited, batches, card's read] at its start
-        self.card = None  # () -> (idle seconds, steps measured) of the card between steps (CardGaps.read), or None
+        self.card = None  # () -> the card's (idle seconds, steps measured, steps) between steps (CardGaps), or None
         self.rates: dict[float, float] = {}  # samples a second each share tried sustained, in the order tried
         self.gpu_waited = True  # whether the loop waited for data with every JPEG on the GPU
         self.done = False
@@ -725,7 +726,10 @@ class SplitTuner:
         self.window = None
         trained, input_rate = (taken - w[2]) / seconds, (made - w[1]) / seconds
         wait = w[3] / seconds
-        idle = idle_share(w[5], self.card(), steps=w[4], seconds=seconds) if self.card else None
+        idle = None
+        if self.card:  # over the window's optimizer steps (a step may take several batches: train.accum_steps)
+            a, b = w[5], self.card()
+            idle = idle_share(a[:2], b[:2], steps=b[2] - a[2], seconds=seconds)
         self._decide(min(trained, input_rate), wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4], idle)
 
     def _decide(self, rate: float, wait: float, limited: bool, w_steps: int, idle: float | None = None) -> None:

@@ -273,7 +273,7 @@ class Trainer:
         self.gaps = CardGaps(self.device)  # the card's idle time between steps
         self._gaps_mark = self.gaps.read()  # the log line's card idle figure: CardGaps.read() at the last line
         if self.gaps.on and hasattr(self.batches, "watch_card"):  # data.decode=auto's lines say it too
-            self.batches.watch_card(self.gaps.read)
+            self.batches.watch_card(lambda: (*self.gaps.read(), self.gaps.steps))
         self.clock = _Clock(self.gaps)
         self.clock.on_pause = getattr(self.batches, "exclude", None)
         self.peaks_from = 0  # the per-card peaks cover the steps after this one (set by the loop)

@@ -63,6 +63,7 @@ def test_a_step_whose_input_came_late_leaves_the_card_idle_for_the_difference():
     assert g.read() == (pytest.approx(0.008), 1)  # step 2's pair not read yet: the card has not passed it
     card.at(70)
     assert g.read() == (pytest.approx(0.008), 2)  # (68 - 68: the next step's start waited for nothing)
+    assert g.steps == 2
 
 
 def test_a_sync_or_pause_between_the_marks_voids_the_pair():
@@ -160,7 +161,7 @@ def test_the_training_loop_pairs_each_step_with_the_next_ones_input_and_voids_th
                        "train.timing_warmup=4", f"train.run_dir={tmp_path}", "train.run_id=r",
                        "train.final_checkpoint=false"])
     assert train.run(cfg) == 0
-    assert len(made) == 1 and made[0].step == 16
+    assert len(made) == 1 and made[0].step == made[0].steps == 16
     assert not {4, 8, 12, 16} & set(paired) and {5, 6, 7, 9, 10, 11, 13, 14, 15} <= set(paired), paired
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert 0.0 < summary["card_idle_between_steps"] < 1.0
