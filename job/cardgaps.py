@@ -12,7 +12,8 @@ later micro-batches of train.accum_steps) is not counted.
 A device sync or a pause of the clock between the two marks (a log step's loss, a checkpoint, the memory
 plan's check) voids the pair: the card idles there because the loop stopped it, not for lack of input.
 Pairs are read once the card has passed them (`Event.query`), so the loop never waits for one. Each step costs
-two event records and a query or two (~15 µs of host time); nothing runs on a CPU.
+two event records and a query or two on the host (their cost on a card is not yet measured: the bench's
+trainer-against-loop rows include it); nothing runs on a CPU.
 """
 
 from __future__ import annotations
