@@ -573,7 +573,8 @@ class Trainer:
                 self._stop_on_data_error(f.error)
             self._bad_loss = self._bad_loss or bad
             if self.telemetry is not None:  # samples this rank trained on, so a sum over ranks is right
-                self.telemetry.observe_step(time.perf_counter() - step_start, rank_samples, self._last_loss)
+                self.telemetry.observe_step(time.perf_counter() - step_start, rank_samples, self._last_loss,
+                                            (self.gaps.seconds, self.gaps.gaps) if self.gaps.on else None)
             if t.gc_every and self.step % t.gc_every == 0:
                 gc.collect()  # automatic collection is off in the loop (_collecting_every)
             if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.steps:

@@ -9,7 +9,7 @@ each:
   allocated), labels rank, local_rank, uuid, strategy, run; one series per card this process holds
   memory on (DataParallel's one process holds several).
 - `TrainingCollector` (training.py): step-time histogram, samples counter, loss, and `trainjob_info`, fed
-  by `observe_step()` (three additions under a lock: the loop never waits on a scrape).
+  by `observe_step()` (a few additions under a lock: the loop never waits on a scrape).
 - `PlanCollector` (plan.py): the memory plan per card (planned samples, predicted peak, headroom).
 - `BreakdownCollector` (breakdown.py): each card's memory by kind (`trainjob_memory_breakdown_bytes{kind}`,
   job/breakdown.py), the other processes on it by pid, and the memory.cap_gb cap.

@@ -125,11 +125,12 @@ class TrainingTelemetry:
             h["peers"] = len(self._merged.peers())
         return h
 
-    def observe_step(self, seconds: float, samples: int, loss: float) -> None:
-        """Record one optimizer step: its wall time, the samples this rank trained on, the current loss."""
+    def observe_step(self, seconds: float, samples: int, loss: float, card: tuple[float, int] | None = None) -> None:
+        """Record one optimizer step: its wall time, the samples this rank trained on, the current loss, and on a
+        GPU the card's idle seconds between steps and the steps measured so far (job.cardgaps)."""
         self.steps += 1
         self._last_progress = time.monotonic()
-        self.training.observe(seconds, samples, loss)
+        self.training.observe(seconds, samples, loss, card)
         if self._memory is not None:  # the breakdown, if a scrape asked since the last step (Memory.live)
             self._memory.refresh()
 

@@ -1,5 +1,6 @@
-"""`TrainingCollector`: step-time histogram, samples counter, loss and `trainjob_info` of one rank, fed by
-`observe()` (three additions under a lock: the loop never waits on a scrape)."""
+"""`TrainingCollector`: step-time histogram, samples counter, loss, the card's idle time between steps and
+`trainjob_info` of one rank, fed by `observe()` (a few additions under a lock: the loop never waits on a
+scrape)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,12 @@ class TrainingCollector:
         self._samples = 0
         self._loss: float | None = None
         self._val: dict | None = None  # the last evaluation (job.evaluate)
+        self._card: tuple[float, int] | None = None  # the card's idle seconds between steps, steps measured
 
-    def observe(self, seconds: float, samples: int, loss: float | None) -> None:
+    def observe(self, seconds: float, samples: int, loss: float | None,
+                card: tuple[float, int] | None = None) -> None:
+        """One step: its wall time, the samples trained, the loss, and on a GPU `card`: the card's idle seconds
+        between steps and the steps they were measured on so far (job.cardgaps)."""
         i = 0
         while i < len(STEP_BUCKETS) and seconds > STEP_BUCKETS[i]:
             i += 1
@@ -34,6 +39,8 @@ class TrainingCollector:
             self._samples += samples
             if loss is not None:
                 self._loss = float(loss)
+            if card is not None:
+                self._card = card
 
     def observe_validation(self, val: dict) -> None:
         """The last evaluation of the held-out data: val_loss, val_accuracy (or None), val_samples."""
@@ -45,6 +52,7 @@ class TrainingCollector:
 
         with self._lock:
             counts, total, samples, loss, val = list(self._buckets), self._sum, self._samples, self._loss, self._val
+            card = self._card
         row = [self.labels[k] for k in RANK_LABELS]
         cumulative, running = [], 0
         for bound, n in zip((*STEP_BUCKETS, float("inf")), counts, strict=True):
@@ -57,6 +65,16 @@ class TrainingCollector:
         ctr = CounterMetricFamily("trainjob_samples", "Samples this rank has trained on.", labels=RANK_LABELS)
         ctr.add_metric(row, float(samples))
         yield ctr
+        if card is not None:
+            idle = CounterMetricFamily("trainjob_card_idle_seconds", "Seconds this rank's card had nothing to run "
+                                       "between steps, over the steps measured (job.cardgaps).", labels=RANK_LABELS)
+            idle.add_metric(row, card[0])
+            yield idle
+            steps = CounterMetricFamily("trainjob_card_idle_steps", "Steps whose idle time between them and the "
+                                        "next is in trainjob_card_idle_seconds (log steps are left out).",
+                                        labels=RANK_LABELS)
+            steps.add_metric(row, float(card[1]))
+            yield steps
         if loss is not None:
             g = GaugeMetricFamily("trainjob_loss", "Training loss at the last logged step.", labels=RANK_LABELS)
             g.add_metric(row, loss)

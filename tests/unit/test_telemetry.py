@@ -153,6 +153,12 @@ def test_training_collector_histogram_counter_loss_info():
     assert reg.get_sample_value("trainjob_samples_total", lab) == 80
     assert reg.get_sample_value("trainjob_loss", lab) == 2.5
     assert reg.get_sample_value("trainjob_info", {"workload": "lm", "run": "r"}) == 1
+    # no card (a CPU run): no idle series; on a GPU the trainer's running figures (job.cardgaps), as counters
+    assert reg.get_sample_value("trainjob_card_idle_seconds_total", lab) is None
+    col.observe(0.02, 16, 2.4, (0.25, 9))
+    col.observe(0.02, 16, 2.3, (0.26, 10))
+    assert reg.get_sample_value("trainjob_card_idle_seconds_total", lab) == pytest.approx(0.26)
+    assert reg.get_sample_value("trainjob_card_idle_steps_total", lab) == 10
 
 
 def test_observe_step_is_thread_safe_against_scrapes():
@@ -307,8 +313,9 @@ def test_promtool_check_metrics_on_fake_gpu_node(nv, tmp_path):
     tcfg = _tcfg(port, tmp_path)
     r0, r1 = _rank(nv, 0, tcfg).start(), _rank(nv, 1, tcfg).start()
     try:
-        r0.observe_step(0.1, 8, 2.0)
+        r0.observe_step(0.1, 8, 2.0, (0.004, 1))  # a GPU rank: its card's idle time between steps too
         text = get(f"http://127.0.0.1:{port}/metrics")[1]
+        assert "trainjob_card_idle_seconds_total{" in text and "trainjob_card_idle_steps_total{" in text
     finally:
         r1.close()
         r0.close()
