@@ -27,6 +27,7 @@ CONTRACT = {
     "trainjob_torch_memory_peak_allocated_bytes", "trainjob_samples_total", "trainjob_loss", "trainjob_info",
     "trainjob_nvml_up",
     "trainjob_step_seconds_bucket", "trainjob_step_seconds_sum", "trainjob_step_seconds_count",
+    "trainjob_card_idle_seconds_total", "trainjob_card_idle_steps_total",
 } | {
     # the memory plan's per-card gauges (labels rank, local_rank, uuid, strategy, run), see PLAN
     "trainjob_plan_samples", "trainjob_plan_headroom_bytes",

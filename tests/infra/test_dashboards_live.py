@@ -62,8 +62,10 @@ def fake_dp_node(tmp_path):
     done = threading.Event()
 
     def train():  # steps keep coming so rates and the step-time histogram move
+        idle, measured = 0.0, 0
         while not done.wait(0.1):
-            tel.observe_step(0.1, 16, 2.5)
+            idle, measured = idle + 0.002, measured + 1  # the card idle 2 ms between steps (job.cardgaps)
+            tel.observe_step(0.1, 16, 2.5, (idle, measured))
 
     thread = threading.Thread(target=train, daemon=True)
     thread.start()
