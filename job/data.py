@@ -190,17 +190,13 @@ class Data:
         order = EpochOrder(indices, seed=self.seed)
         sampler = _BatchSampler(order, start=start, micro_batch=micro_batch, offset=offset, count=count)
         tuner = None
+        depth = int(self.cfg.prefetch_depth) if prefetch else 1  # batches moved ahead (without prefetch: the next)
         if self._follows_split(ds):
             tuner = SplitTuner(self._split, first_id=lambda g: start + g * micro_batch,
-                               lookahead=tuner_lookahead(self.cfg.workers, self._depth(prefetch)), device=device)
+                               lookahead=tuner_lookahead(self.cfg.workers, depth), device=device)
         return _loader(self.resolved.name, ds, sampler, workers=self.cfg.workers, device=device, channels_last=channels_last,
-                       prefetch=prefetch, depth=self._depth(prefetch), persistent=True, nice=self.cfg.worker_nice, tuner=tuner,
+                       prefetch=prefetch, depth=depth, persistent=True, nice=self.cfg.worker_nice, tuner=tuner,
                        seed=self.seed * 1_000_003 + start * 1_009 + offset)
-
-    def _depth(self, prefetch: bool) -> int:
-        """Batches the prefetch thread moves ahead (data.prefetch_depth; 1 without data.prefetch: the one being
-        made)."""
-        return int(self.cfg.prefetch_depth) if prefetch else 1
 
     # -- held-out batches ---------------------------------------------------------------------------
     def has_val(self, eval_every: int) -> bool:
@@ -976,16 +972,17 @@ class Prefetcher:
     def _fill(self) -> None:
         while not self.ended and len(self.pending) < self.depth:
             future = self._submit()
-            if future is None:
-                self.ended = True
-            else:
+            if future is not None:
                 self.pending.append(future)
 
     def _submit(self):
+        """The move of the loader's next batch (a future), a future holding the loader's error, or None at its
+        end; after either of the last two, `ended`."""
         t = time.perf_counter()
         try:
             batch = next(self.it)
         except StopIteration:
+            self.ended = True
             return None
         except Exception as e:  # raised by `next` for this batch, not for the one being handed out now
             from concurrent.futures import Future
