@@ -19,6 +19,15 @@ trainer-against-loop rows include it); nothing runs on a CPU.
 from __future__ import annotations
 
 import collections
+from typing import NamedTuple
+
+
+class Reading(NamedTuple):
+    """The card's idle time between steps so far."""
+
+    seconds: float  # idle seconds over the pairs read
+    gaps: int  # steps measured (pairs read)
+    steps: int  # steps marked, measured or not
 
 
 class CardGaps:
@@ -74,17 +83,23 @@ class CardGaps:
             self.gaps += 1
             self._free += (a, b)
 
-    def read(self) -> tuple[float, int]:
-        """(idle seconds, steps measured) so far, over the pairs the card has passed: after a device sync, all."""
+    def read(self) -> Reading:
+        """The pairs the card has passed so far (after a device sync, all): the log lines, the clock, auto's windows."""
         self._collect()
-        return self.seconds, self.gaps
+        return self.so_far()
+
+    def so_far(self) -> Reading:
+        """As `read`, without asking the card for the pairs it has passed since: each step's telemetry."""
+        return Reading(self.seconds, self.gaps, self.steps)
 
 
-def idle_share(a: tuple[float, int] | None, b: tuple[float, int] | None, *, steps: int, seconds: float) -> float | None:
-    """The share of a window of `steps` steps and `seconds` wall-clock seconds the card idled between steps,
-    from `read()` at its start (`a`) and end (`b`): the mean gap of the steps measured, times `steps`, over
-    `seconds` (log steps, whose gaps a sync voids, count as the others). None where no step was measured."""
+def idle_share(a: Reading | None, b: Reading | None, *, steps: int | None = None, seconds: float) -> float | None:
+    """The share of a window of `seconds` wall-clock seconds the card idled between steps, from `read()` at its
+    start (`a`) and end (`b`): the mean gap of the steps measured, times the window's steps (`steps`, or the
+    steps marked between `a` and `b`), over `seconds` (log steps, whose gaps a sync voids, count as the others).
+    None where no step was measured."""
     if a is None or b is None or seconds <= 0:
         return None
-    idle, gaps = b[0] - a[0], b[1] - a[1]
+    steps = b.steps - a.steps if steps is None else steps
+    idle, gaps = b.seconds - a.seconds, b.gaps - a.gaps
     return idle / gaps * steps / seconds if gaps > 0 else None

@@ -564,8 +564,8 @@ class Stream:
         return x, y
 
     def watch_card(self, read) -> None:
-        """Give data.decode=auto's windows the card's idle time between steps: `read` returns a CardGaps' (idle
-        seconds, steps measured, steps marked)."""
+        """Give data.decode=auto's windows the card's idle time between steps: `read` returns a CardGaps'
+        Reading."""
         if self.tuner is not None:
             self.tuner.card = read
 
@@ -665,7 +665,7 @@ class SplitTuner:
         self.share = 0.0  # the share of the JPEGs on the GPU now (the last change's, once the workers reach it)
         self.start_at = self.lookahead + self.FIRST
         self.window: list | None = None  # [time, made, taken, seconds waited, batches, card's read] at its start
-        self.card = None  # () -> the card's (idle seconds, steps measured, steps) between steps (CardGaps), or None
+        self.card = None  # () -> the card's idle time between steps (a CardGaps' Reading), or None
         self.rates: dict[float, float] = {}  # samples a second each share tried sustained, in the order tried
         self.gpu_waited = True  # whether the loop waited for data with every JPEG on the GPU
         self.done = False
@@ -725,7 +725,7 @@ class SplitTuner:
         idle = None
         if self.card:  # over the window's optimizer steps (a step may take several batches: train.accum_steps)
             a, b = w[5], self.card()
-            idle = idle_share(a[:2], b[:2], steps=b[2] - a[2], seconds=seconds)
+            idle = idle_share(a, b, seconds=seconds)
         self._decide(min(trained, input_rate), wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4], idle)
 
     def _decide(self, rate: float, wait: float, limited: bool, w_steps: int, idle: float | None = None) -> None:

@@ -273,7 +273,7 @@ class Trainer:
         self.gaps = CardGaps(self.device)  # the card's idle time between steps
         self._gaps_mark = self.gaps.read()  # the log line's card idle figure: CardGaps.read() at the last line
         if self.gaps.on and hasattr(self.batches, "watch_card"):  # data.decode=auto's lines say it too
-            self.batches.watch_card(lambda: (*self.gaps.read(), self.gaps.steps))
+            self.batches.watch_card(self.gaps.read)
         self.clock = _Clock(self.gaps)
         self.clock.on_pause = getattr(self.batches, "exclude", None)
         self.peaks_from = 0  # the per-card peaks cover the steps after this one (set by the loop)
@@ -574,7 +574,7 @@ class Trainer:
             self._bad_loss = self._bad_loss or bad
             if self.telemetry is not None:  # samples this rank trained on, so a sum over ranks is right
                 self.telemetry.observe_step(time.perf_counter() - step_start, rank_samples, self._last_loss,
-                                            (self.gaps.seconds, self.gaps.gaps) if self.gaps.on else None)
+                                            self.gaps.so_far() if self.gaps.on else None)
             if t.gc_every and self.step % t.gc_every == 0:
                 gc.collect()  # automatic collection is off in the loop (_collecting_every)
             if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.steps:
@@ -768,7 +768,7 @@ class Trainer:
                   "data_cpu_s": self._workers_mark[1] if self._workers_mark is not None else None,
                   "train_thread_s": thread_sched_s(),  # [on a core, waiting for one], seconds so far (this thread's)
                   # the card's idle seconds between steps so far, and the steps they were measured on (CardGaps)
-                  **(dict(zip(("card_idle_s", "card_gaps"), self.gaps.read())) if self.gaps.on else {}),
+                  **(dict(zip(("card_idle_s", "card_gaps"), self.gaps.read()[:2])) if self.gaps.on else {}),
                   "time": time.time(), "cards": rows, "memory_breakdown": kinds, **(val or {})}
         self.rundir.append_line("metrics.jsonl", json.dumps(record))
 

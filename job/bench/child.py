@@ -117,13 +117,13 @@ def host_thread(records: list[dict], *, warmup: int, total: int) -> tuple[float 
 def card_idle(records: list[dict], *, warmup: int, total: int) -> float | None:
     """The share of the same records' window rank 0's card had nothing to run between steps, from its running
     idle seconds and steps measured (`card_idle_s`, `card_gaps`: job.cardgaps); None off a GPU."""
-    from job.cardgaps import idle_share
+    from job.cardgaps import Reading, idle_share
 
     a, b = _edges(records, warmup, total)
     if a is None or b is None or a.get("card_gaps") is None or b.get("card_gaps") is None:
         return None
-    return idle_share((float(a["card_idle_s"]), int(a["card_gaps"])), (float(b["card_idle_s"]), int(b["card_gaps"])),
-                      steps=total - warmup, seconds=float(b["time"]) - float(a["time"]))
+    mark = lambda r: Reading(float(r["card_idle_s"]), int(r["card_gaps"]), 0)  # noqa: E731 (steps given below)
+    return idle_share(mark(a), mark(b), steps=total - warmup, seconds=float(b["time"]) - float(a["time"]))
 
 
 class _Scraper(threading.Thread):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from job.cardgaps import CardGaps, idle_share
+from job.cardgaps import CardGaps, Reading, idle_share
 
 
 class Card:
@@ -60,9 +60,9 @@ def test_a_step_whose_input_came_late_leaves_the_card_idle_for_the_difference():
     g.ended()
     card.at(50)  # the next batch at 50 ms, while step 2 still runs: no gap
     g.started()
-    assert g.read() == (pytest.approx(0.008), 1)  # step 2's pair not read yet: the card has not passed it
+    assert g.read() == (pytest.approx(0.008), 1, 2)  # step 2's pair not read yet: the card has not passed it
     card.at(70)
-    assert g.read() == (pytest.approx(0.008), 2)  # (68 - 68: the next step's start waited for nothing)
+    assert g.read() == (pytest.approx(0.008), 2, 2)  # (68 - 68: the next step's start waited for nothing)
     assert g.steps == 2
 
 
@@ -76,13 +76,13 @@ def test_a_sync_or_pause_between_the_marks_voids_the_pair():
     card.at(45)
     g.started()  # nothing to pair with
     card.at(100)
-    assert g.read() == (0.0, 0)
+    assert g.read() == (0.0, 0, 1)
     card.run(30)  # 100-130
     g.ended()
     g.ended()  # a second end without a start (a step that fetched nothing ahead: the last) replaces the first
     card.at(131)
     g.started()
-    assert g.read() == (pytest.approx(0.001), 1)
+    assert g.read() == (pytest.approx(0.001), 1, 3)
 
 
 def test_events_are_reused_once_read():
@@ -93,7 +93,7 @@ def test_events_are_reused_once_read():
         g.ended()
         card.at(card.queue_end + 1)
         g.started()
-    assert g.read() == (pytest.approx(0.050), 50)
+    assert g.read() == (pytest.approx(0.050), 50, 50)
     assert card.made <= 4  # two events a step, read at the next step: a handful, not one per mark
 
 
@@ -102,21 +102,23 @@ def test_nothing_is_recorded_on_a_cpu_or_while_a_cuda_graph_is_captured():
     g = CardGaps(torch.device("cpu"), event=lambda: made.append(1), stream=lambda: "stream")
     g.ended()
     g.started()
-    assert g.read() == (0.0, 0) and made == [] and not g.on
+    assert g.read() == (0.0, 0, 0) and made == [] and not g.on
     card = Card()
     g = gaps_on(card)
     g._capturing = lambda: True  # recording an event into a graph being captured would put it in the graph
     g.ended()
     g.started()
-    assert card.made == 0 and g.read() == (0.0, 0)
+    assert card.made == 0 and g.read() == (0.0, 0, 0)
 
 
 def test_the_window_share_is_the_mean_gap_over_every_step_of_the_window():
     # 18 of 20 steps measured (two log steps voided), 0.36 s idle among them: 20 ms a step, 20 steps, over 4 s
-    assert idle_share((1.0, 10), (1.36, 28), steps=20, seconds=4.0) == pytest.approx(0.1)
-    assert idle_share((1.0, 10), (1.0, 10), steps=20, seconds=4.0) is None  # no step measured (train.log_every=1)
-    assert idle_share(None, (1.0, 10), steps=20, seconds=4.0) is None
-    assert idle_share((0.0, 0), (0.1, 5), steps=5, seconds=0.0) is None
+    a, b = Reading(1.0, 10, 12), Reading(1.36, 28, 32)
+    assert idle_share(a, b, steps=20, seconds=4.0) == pytest.approx(0.1)
+    assert idle_share(a, b, seconds=4.0) == pytest.approx(0.1)  # the window's steps: those marked between a and b
+    assert idle_share(a, a, steps=20, seconds=4.0) is None  # no step measured (train.log_every=1)
+    assert idle_share(None, b, steps=20, seconds=4.0) is None
+    assert idle_share(Reading(0.0, 0, 0), Reading(0.1, 5, 5), seconds=0.0) is None
 
 
 def test_the_training_loop_pairs_each_step_with_the_next_ones_input_and_voids_the_log_steps(tmp_path, monkeypatch):

@@ -8,6 +8,7 @@ import torch
 from _images_helpers import CPU, make_folder
 
 from job import config, data
+from job.cardgaps import Reading
 from job.data import Data, EpochOrder, SplitTuner
 from job.datasets import EncodedBatch, GpuSplit, ImageFolder
 
@@ -354,7 +355,7 @@ def test_each_window_says_the_cards_idle_share_where_the_trainer_measures_it():
         _observe(t, waited, made, taken)
 
     fake.tuner.observe = observe
-    fake.tuner.card = lambda: tuple(idle)
+    fake.tuner.card = lambda: Reading(*idle)
     fake.run()
     assert fake.shares == plain.shares == [0.0, 1.0, 0.7]
     assert fake.said[0].startswith("data.decode=auto: the loop waited for data 66% of 40 steps (the workers decoding "
