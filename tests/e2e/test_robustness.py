@@ -482,11 +482,13 @@ def _final_weights(run: Path) -> dict:
 
 
 # (extra arguments, batch, where the damaged file sits in step 3's batch): one process with and without workers,
-# the prefetch thread, micro-batches (the second one of step 3 fails, inside the step), and two ddp ranks
-# (rank 1's share fails, rank 0's is fine; with micro-batches, rank 1's share of the second).
+# the prefetch thread (three batches ahead: the damaged one is prepared while steps 1 and 2 train, and still
+# stops the run at its own step), micro-batches (the second one of step 3 fails, inside the step), and two ddp
+# ranks (rank 1's share fails, rank 0's is fine; with micro-batches, rank 1's share of the second).
 MID_RUN = {
     "workers": (["data.workers=1"], 2, 0),
     "no-workers": (["data.workers=0", "data.prefetch=false"], 2, 1),
+    "prefetch-depth": (["data.workers=1", "data.prefetch=true", "data.prefetch_depth=3"], 2, 0),
     "accum": (["data.workers=1", "train.accum_steps=2"], 2, 1),
     "ddp": (["strategy=ddp", "strategy.nprocs=2", "data.workers=1"], 2, 1),
     "ddp-accum": (["strategy=ddp", "strategy.nprocs=2", "data.workers=1", "train.accum_steps=2"], 4, 3),
