@@ -28,7 +28,7 @@ import torch
 from job import breakdown, config, failure, launch, memplan, phases, recompute, report, rundir
 from job import checkpoint as ckpt
 from job import workload as wl
-from job.cardgaps import CardGaps, idle_share
+from job.cardgaps import CardGaps, Reading, idle_share
 from job.config import summary
 from job.data import BatchFailed, Data, SplitTuner, process_cpu_s, take_or_stop, thread_sched_s, usable_cores
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
@@ -1025,7 +1025,7 @@ class _Clock:
             self.workers[1], self.thread[1] = workers, _thread_mark()
             self.card[1] = self._card()
 
-    def _card(self) -> tuple[float, int] | None:
+    def _card(self) -> Reading | None:
         return self.gaps.read() if self.gaps is not None and self.gaps.on else None
 
     def add_wait(self, seconds: float) -> None:
