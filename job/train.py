@@ -768,7 +768,7 @@ class Trainer:
                   "data_cpu_s": self._workers_mark[1] if self._workers_mark is not None else None,
                   "train_thread_s": thread_sched_s(),  # [on a core, waiting for one], seconds so far (this thread's)
                   # the card's idle seconds between steps so far, and the steps they were measured on (CardGaps)
-                  **(dict(zip(("card_idle_s", "card_gaps"), self.gaps.read()[:2])) if self.gaps.on else {}),
+                  **(dict(card_idle_s=self._gaps_mark.seconds, card_gaps=self._gaps_mark.gaps) if self.gaps.on else {}),
                   "time": time.time(), "cards": rows, "memory_breakdown": kinds, **(val or {})}
         self.rundir.append_line("metrics.jsonl", json.dumps(record))
 
