@@ -314,7 +314,9 @@ class BenchCfg:
     of space-separated data.KEY=VALUE, KEY one of decode, gpu_share, workers, worker_nice, prefetch, prefetch_depth), e.g.
     ["data.decode=gpu data.gpu_share=0.5", "data.decode=gpu"]: rows such as
     `ddp+imagefolder[decode=gpu gpu_share=0.5]`, each compared with the synthetic row and the plain
-    imagefolder row, over the same steps and repeats: which way of decoding is fastest on this machine."""
+    imagefolder row, over the same steps and repeats: which way of decoding is fastest on this machine. Every
+    row that reads files has data.prefetch=true; an entry that changes none of the plain row's data settings
+    is refused."""
     auto_settle: bool = True
     """imagefolder on a GPU: rows with data.decode=auto (and workers) first train the steps its choice of decoder
     can take (data.decode=auto's trials, a few hundred steps), then bench.warmup and bench.steps: they time the

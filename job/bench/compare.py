@@ -16,7 +16,7 @@ from job.bench.child import Runs, RunSpec
 from job.bench.imagefolder import image_folder, token_file
 from job.bench.process import free_port
 from job.bench.results import COMPARED, card_key, empty_run, workload_result
-from job.bench.settings import multi_process, variant_args, variant_name
+from job.bench.settings import FILE_ROW_DATA, multi_process, variant_args, variant_name
 from job.breakdown import KINDS
 
 log = logging.getLogger("job")
@@ -306,7 +306,7 @@ def _choosing(bench: Runs, ref_cfg, extra: list[str]) -> int:
 
 
 def _file_args(bench: Runs, strategy: str, kind: str, path: str, *more: str) -> list[str]:
-    extra = [f"data.kind={kind}", f"data.path={path}", "data.prefetch=true", *more]
+    extra = [f"data.kind={kind}", f"data.path={path}", *FILE_ROW_DATA, *more]
     if "data.workers" not in bench.overrides and not any(m.startswith("data.workers=") for m in more):
         # Workers per training process: the cores of its share of the machine, one left for the
         # process itself (a single-process strategy feeds every card from one loader).

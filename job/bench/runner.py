@@ -26,7 +26,7 @@ from job.bench.maxbatch import maxbatch_workload
 from job.bench.process import GROUP_VARS
 from job.bench.profiling import profile_workload
 from job.bench.results import SCHEMA_ID
-from job.bench.settings import check_settings, nest, user_overrides, variant_args
+from job.bench.settings import FILE_ROW_DATA, check_settings, nest, user_overrides, variant_args
 from job.bench.table import table
 from job.bench.tenant import Tenant
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
@@ -60,11 +60,6 @@ class Bench:
                     kind in config_mod.workload_of(c).workload.kinds() for c in loaded.values()):
                 raise UsageError(f"bench.{key}=true needs a workload that reads data.kind={kind}, and "
                                  f"bench.workloads is {self.workloads}; {hint}")
-        for v in self.settings.imagefolder_variants:  # each value by the trainer's own rules, before any run
-            try:
-                config_mod.load([f"workload={self.workloads[0]}", *variant_args(v)])
-            except UsageError as e:
-                raise UsageError(f"bench.imagefolder_variants entry \"{v}\": {e}") from None
         if self.settings.mode == "maxbatch" and self.settings.maxbatch_key == "workload.layers":
             flat = [w for w, c in loaded.items() if "layers" not in c.workload]
             if flat:
@@ -85,6 +80,27 @@ class Bench:
         import torch  # counting devices does not create a CUDA context here (no memory on any card)
 
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+    def _check_variants(self, overrides: Path) -> None:
+        """Each bench.imagefolder_variants entry by the trainer's own rules, as its row runs (the overrides, the
+        settings the bench gives every row that reads files, then the entry's), before any run; an entry that
+        leaves the plain imagefolder row's data settings as they are would time that row again: refused."""
+        if not (self.settings.imagefolder and self.settings.mode == "compare"):
+            return
+        for w in self.workloads:
+            if "imagefolder" not in config_mod.workload_of(config_mod.load([f"workload={w}"])).workload.kinds():
+                continue
+            row = ["--config", str(overrides), f"workload={w}", *FILE_ROW_DATA]
+            plain = config_mod.load(row).data
+            for v in self.settings.imagefolder_variants:
+                try:
+                    data = config_mod.load([*row, *variant_args(v)]).data
+                except UsageError as e:
+                    raise UsageError(f"bench.imagefolder_variants entry \"{v}\": {e}") from None
+                if data == plain:
+                    raise UsageError(f"bench.imagefolder_variants entry \"{v}\" changes none of the plain imagefolder "
+                                     f"row's data settings (every row that reads files has {' '.join(FILE_ROW_DATA)}): "
+                                     "its row would time that one again; drop it, or give it a setting of its own")
 
     def _refuse_if_nothing_runs(self, overrides: Path) -> None:
         """A run the trainer would refuse is skipped with its reason; when that is every strategy of every
@@ -109,6 +125,7 @@ class Bench:
             (Path(tmp) / "overrides.yaml").write_text(overrides_yaml)
             for w in self.workloads:
                 config_mod.load(["--config", str(Path(tmp) / "overrides.yaml"), f"workload={w}"])
+            self._check_variants(Path(tmp) / "overrides.yaml")
             self._refuse_if_nothing_runs(Path(tmp) / "overrides.yaml")
         if any(k in os.environ for k in GROUP_VARS):
             log.warning("bench: %s are set but ignored: each run starts its own ranks on this node",

@@ -99,6 +99,7 @@ def multi_process(name: str) -> bool:
     return REGISTRY[registered_name(name)].multi_process
 
 
+FILE_ROW_DATA = ("data.prefetch=true",)  # what the bench adds to every row that reads files, before a variant's own settings
 VARIANT_KEYS = ("decode", "gpu_share", "workers", "worker_nice", "prefetch", "prefetch_depth")  # data.* an imagefolder variant sets
 
 

@@ -59,6 +59,11 @@ from job.errors import UsageError
     (["bench.imagefolder=true", 'bench.imagefolder_variants=["data.workers=1", "data.workers=1"]'],
      "bench.imagefolder_variants lists the same settings twice"),
     (["bench.imagefolder=true", 'bench.imagefolder_variants=[" "]'], "bench.imagefolder_variants has an empty entry"),
+    (["bench.imagefolder=true", 'bench.imagefolder_variants=["data.prefetch=true"]'],
+     'bench.imagefolder_variants entry "data.prefetch=true" changes none of the plain imagefolder row\'s data '
+     "settings (every row that reads files has data.prefetch=true): its row would time that one again"),
+    (["bench.imagefolder=true", "data.workers=3", 'bench.imagefolder_variants=["data.decode=cpu", "data.workers=3"]'],
+     'bench.imagefolder_variants entry "data.workers=3" changes none of the plain imagefolder row\'s data settings'),
     (["bench.imagefolder=true", "bench.imagefolder_short_side=32"],
      "bench.imagefolder_short_side=32 must be 0 (ImageNet-like files) or a side from 64 to 2048 px"),
     (["strategies=[balanced-graphs]", "train.device=cpu"], "no strategy in bench.strategies can run with these "
@@ -77,6 +82,20 @@ def test_bad_bench_input_is_one_line_exit_2(capsys, tmp_path, args, message):
     assert err.startswith("error: ") and message in err and "\n" not in err
     assert not (tmp_path / "x").exists()  # refused before anything is written
     assert not (tmp_path / "x").exists()  # nothing started
+
+
+def test_a_variant_is_checked_as_its_row_runs_with_the_settings_the_bench_gives_every_file_row(tmp_path):
+    """data.prefetch_depth needs data.prefetch=true, which every row that reads files has: a variant setting only
+    the depth is a row of its own, not a refusal (as the trainer's defaults alone would say)."""
+    from job.bench.runner import Bench
+
+    (tmp_path / "overrides.yaml").write_text("{}\n")
+    cfg = load(["bench.imagefolder=true", 'bench.imagefolder_variants=["data.prefetch_depth=2", "data.prefetch=false"]',
+                f"bench.out={tmp_path / 'x'}"])
+    Bench(cfg)._check_variants(tmp_path / "overrides.yaml")  # no UsageError
+    with pytest.raises(UsageError, match="data.prefetch_depth=2 is how far"):
+        Bench(load(["bench.imagefolder=true", 'bench.imagefolder_variants=["data.prefetch=false data.prefetch_depth=2"]',
+                    f"bench.out={tmp_path / 'x'}"]))._check_variants(tmp_path / "overrides.yaml")
 
 
 def test_the_reference_loop_refuses_a_bad_argument_in_one_line(capsys, tmp_path):
