@@ -51,13 +51,14 @@ class Bench:
         # The workload each preset builds (lm-24x384 is an lm), and its settings' keys.
         loaded = {w: config_mod.load([f"workload={w}"]) for w in self.workloads}
         self.workload_names = {w: c.workload.name for w, c in loaded.items()}
+        self.kinds = {w: config_mod.workload_of(c).workload.kinds() for w, c in loaded.items()}  # data.kind each reads
         if self.settings.tenant_gb and not self.cuda:
             raise UsageError(f"bench.tenant_gb={self.settings.tenant_gb:g} holds memory on a CUDA card, and none is "
                              "visible; drop bench.tenant_gb or run where a GPU is")
         for key, kind, hint in (("imagefolder", "imagefolder", "add resnet50 (GPU) or tiny (CPU)"),
                                 ("tokens", "tokens", "add lm")):
             if self.settings[key] and self.settings.mode == "compare" and not any(
-                    kind in config_mod.workload_of(c).workload.kinds() for c in loaded.values()):
+                    kind in kinds for kinds in self.kinds.values()):
                 raise UsageError(f"bench.{key}=true needs a workload that reads data.kind={kind}, and "
                                  f"bench.workloads is {self.workloads}; {hint}")
         if self.settings.mode == "maxbatch" and self.settings.maxbatch_key == "workload.layers":
@@ -87,9 +88,7 @@ class Bench:
         leaves the plain imagefolder row's data settings as they are would time that row again: refused."""
         if not (self.settings.imagefolder and self.settings.mode == "compare"):
             return
-        for w in self.workloads:
-            if "imagefolder" not in config_mod.workload_of(config_mod.load([f"workload={w}"])).workload.kinds():
-                continue
+        for w in (w for w in self.workloads if "imagefolder" in self.kinds[w]):
             row = ["--config", str(overrides), f"workload={w}", *FILE_ROW_DATA]
             plain = config_mod.load(row).data
             for v in self.settings.imagefolder_variants:
