@@ -711,7 +711,7 @@ def test_imagefolder_rows_with_data_decode_auto_train_its_choice_before_their_ti
         return _choosing(runs, load(["workload=resnet50", *keys]), ["data.kind=imagefolder", *extra])
 
     longest = SplitTuner.longest(tuner_lookahead(15), step_s=AUTO_SHORTEST_STEP_S)
-    assert longest == 15 * 2 + 4 + 10 + 80 + 2 * (34 + 5 + 80) + 34  # windows of 2 s at 25 ms: 80 batches
+    assert longest == 15 * 2 + 4 + 10 + 80 + 2 * (34 + 5 + 80) + 80 + 34  # windows of 2 s at 25 ms: 80 batches
     assert steps(["data.workers=15"]) == longest
     assert steps(["data.workers=15"], keys=["data.decode=auto"]) == longest
     assert steps(["data.workers=15", "data.decode=cpu"]) == 0  # a variant that fixes the decoder

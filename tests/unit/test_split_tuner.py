@@ -3,6 +3,8 @@
 runs here on the CPU (the same libjpeg-turbo), so the samples can be compared exactly."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from _images_helpers import CPU, make_folder
@@ -174,8 +176,9 @@ def test_where_the_gpu_decoder_keeps_up_a_mix_that_trains_no_faster_gives_every_
                                    "with the workers decoding every JPEG, and the loop no longer waited for data, but "
                                    "the GPU decodes on the card the model trains on; together they make 6,600; trying "
                                    "70% of the JPEGs on the GPU from sample ")
-    assert fake.said[2].startswith("data.decode=auto: 70% of the JPEGs on the GPU sustained 4,600 samples/s against "
-                                   "4,600 with every JPEG on the GPU: back to every JPEG on the GPU from sample ")
+    assert fake.said[2].startswith("data.decode=auto: 70% of the JPEGs on the GPU sustained 4,600 samples/s over 80 "
+                                   "steps (4,600 over the first 40, which would have given it back) against 4,600 with "
+                                   "every JPEG on the GPU: back to every JPEG on the GPU from sample ")
     # a mix within GAIN of it is not kept either: it would hand the workers JPEGs for nothing
     fake = _Fake({0.0: 2000.0, 1.0: 4600.0, 0.7: 4700.0}, {0.0: 0.4, 1.0: 0.0, 0.7: 0.0}).run()
     assert fake.shares == [0.0, 1.0, 0.7, 1.0]
@@ -189,6 +192,30 @@ def test_a_gpu_decoder_that_slows_the_card_without_a_wait_gives_way_to_the_mix()
     assert fake.shares == [0.0, 1.0, 0.55] and fake.tuner.share == 0.55
     assert fake.said[2].startswith("data.decode=auto: 55% of the JPEGs on the GPU sustained 5,988 samples/s against "
                                    "4,894 with every JPEG on the GPU: keeping it")
+
+
+def test_a_mix_about_to_be_given_back_is_timed_on_and_judged_on_both_windows():
+    """Compiled ResNet-50 on 16 slow cores (1xH200, 2026-12-05): the workers alone 4,446 samples/s, every JPEG on
+    the GPU 5,224; the mix's first window of 2 s came out low (4,700, where the mix trained 5,791 in the median of
+    other runs). Timed on for another window at its usual rate, the two windows together keep it; a mix that stays
+    low is given back after both (test_a_share_that_does_not_train_faster_is_given_back)."""
+    taken = {"n": 0}
+
+    def rate(share: float) -> float:
+        if share == 0.55:
+            taken["n"] += 1
+            return 4700.0 if taken["n"] <= 46 else 6200.0  # its settling batches and first window low
+        return {0.0: 4446.0, 1.0: 5224.0}[share]
+
+    fake = _Fake(rate, {0.0: 0.35, 1.0: 0.08, 0.55: 0.05}).run()
+    assert fake.shares == [0.0, 1.0, 0.55] and fake.tuner.share == 0.55 and len(fake.said) == 3
+    assert re.match(r"data\.decode=auto: 55% of the JPEGs on the GPU sustained 5,3\d\d samples/s over 8\d steps \(4,700 "
+                    r"over the first 40, which would have given it back\) against 5,224 with every JPEG on the GPU: "
+                    r"keeping it \(", fake.said[2]), fake.said[2]
+    assert fake.tuner.settled_batch < SplitTuner.longest(6)
+    # A mix that is kept on its first window is not timed on
+    fake = _Fake({0.0: 4446.0, 1.0: 5224.0, 0.55: 6000.0}, {0.0: 0.35, 1.0: 0.08, 0.55: 0.05}).run()
+    assert fake.said[2].startswith("data.decode=auto: 55% of the JPEGs on the GPU sustained 6,000 samples/s against")
 
 
 @pytest.mark.parametrize("rates, waits, shares", [
@@ -253,9 +280,11 @@ def test_the_training_stream_drives_its_tuner_and_its_samples_do_not_depend_on_t
         want_x, want_y = next(plain)
         assert torch.equal(x, want_x) and torch.equal(y, want_y), g
     # Every batch handed out was observed until the choice ended: the first window after the read-ahead
-    # (lookahead + 10 batches), then one a share, each `lookahead` + SETTLE batches after the change.
+    # (lookahead + 10 batches), then one a share, each `lookahead` + SETTLE batches after the change, a mix
+    # that would have been given back timed for a second window.
     lookahead = data.PREFETCH_FACTOR + 4
-    assert tuner.done and tuner.g == lookahead + 10 + 3 + (len(said) - 1) * (lookahead + 1 + 3)
+    again = 3 if "which would have given it back" in said[-1] else 0
+    assert tuner.done and tuner.g == lookahead + 10 + 3 + (len(said) - 1) * (lookahead + 1 + 3) + again
     assert said[0].startswith("data.decode=auto: the loop waited for data")
     assert split.rows == 1 + sum("trying" in line or "back to" in line for line in said)
 
