@@ -674,8 +674,9 @@ class SplitTuner:
         self.gpu_waited = True  # whether the loop waited for data with every JPEG on the GPU
         self.done = False
         self.since = 0  # batches the stream had handed out before the first one of the share now
-        self.span = 1  # windows the one being timed lasts: 2 once a mix would be given back (a second look)
-        self.first_look: tuple[float, int] | None = None  # (rate, batches) of that mix's first window
+        # (rate, batches) of a mix's first window where that would have given it back: its window then lasts twice
+        # as long (a second look)
+        self.first_look: tuple[float, int] | None = None
 
     @classmethod
     def longest(cls, lookahead: int, *, step_s: float = float("inf")) -> int:
@@ -723,11 +724,13 @@ class SplitTuner:
         w[3] += waited
         w[4] += 1
         seconds = now - w[0]
-        if w[4] < self.WINDOW * self.span or seconds < self.WINDOW_S * self.span or seconds <= 0:
+        span = 1 if self.first_look is None else 2
+        if w[4] < self.WINDOW * span or seconds < self.WINDOW_S * span or seconds <= 0:
             return
         trained, input_rate = (taken - w[2]) / seconds, (made - w[1]) / seconds
-        if 0.0 < self.share < 1.0 and self.span == 1 and not self._keeps(min(trained, input_rate)):
-            self.span, self.first_look = 2, (min(trained, input_rate), w[4])  # the same window, twice as long
+        rate = min(trained, input_rate)
+        if 0.0 < self.share < 1.0 and span == 1 and not self._keeps(rate):
+            self.first_look = (rate, w[4])  # the same window goes on, twice as long
             return
         self.window = None
         wait = w[3] / seconds
@@ -735,7 +738,7 @@ class SplitTuner:
         if self.card:  # over the window's optimizer steps (a step may take several batches: train.accum_steps)
             a, b = w[5], self.card()
             idle = idle_share(a, b, seconds=seconds)
-        self._decide(min(trained, input_rate), wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4], idle)
+        self._decide(rate, wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4], idle)
 
     def _decide(self, rate: float, wait: float, limited: bool, w_steps: int, idle: float | None = None) -> None:
         share = self.share
