@@ -472,8 +472,11 @@ class Encoded:
 # a folder of camera photos (36 MB each decoded at 12 megapixels) keeps the card's memory within the memory
 # plan's margin (memory.margin_gb, 1.5 GB by default) instead of decoding a whole batch at once (9 GB for 256).
 GPU_DECODE_BYTES = 256 << 20
-# CUDA stream -> an event after the last reads queued on it of the decoded images allocated on it (their crops):
-# memory freed on a stream goes to that stream's next allocations (EncodedBatch._decode)
+# A calling CUDA stream -> the stream its decoded images are allocated on, and an event after the last reads queued
+# on the calling stream (their crops) of the images allocated there: memory freed on a stream goes to that
+# stream's next allocations (EncodedBatch._decode). One each a calling stream (the model's, data.prefetch's),
+# so two threads decoding at once do not hand each other's images to each other.
+_DECODE_STREAM: dict[int, object] = {}
 _READ: dict[int, object] = {}
 
 
@@ -551,22 +554,38 @@ class EncodedBatch:
         return out
 
     def _decode(self, files: list, paths: list[str], device) -> list:
-        """The JPEGs `files` decoded on `device` in one batched call.
+        """The JPEGs `files` decoded on `device` in one batched call, ready for the calling stream.
 
-        torchvision allocates the decoded images on the calling thread's CUDA stream but nvJPEG writes them
-        on a stream of its own, which does not wait for the calling one. Memory of earlier decoded images,
-        freed once their crops were queued, can be handed to this call's images and overwritten before those
-        crops have read it. So the call first waits (on the host) for the last reads of decoded images queued
-        on this stream: with data.prefetch they were queued a step ago and are done; without it, on the
+        torchvision allocates the decoded images on the current CUDA stream but nvJPEG writes them on a stream
+        of its own, which does not wait for the current one. Memory freed on the calling stream while kernels
+        queued there still use it (the model's own tensors, without data.prefetch: a compiled ResNet-50 trained
+        to NaN within 20 steps; the workers' pixels just copied in) would be written under them. So the images
+        are allocated on a stream of their own (one a calling stream), whose memory holds nothing but earlier
+        decoded images; and the call first waits (on the host) for the last reads of those, their crops queued
+        on the calling stream: with data.prefetch they were queued a step ago and are done; without it, on the
         model's stream, the wait lets the card reach them."""
+        if device.type != "cuda":
+            return self._decoded(files, paths, device)
+        import torch
+
+        caller = torch.cuda.current_stream(device)
+        read = _READ.get(caller.cuda_stream)
+        if read is not None:
+            read.synchronize()
+        own = _DECODE_STREAM.get(caller.cuda_stream)
+        if own is None:
+            # High priority: a pool of streams apart from the default priority's, which data.prefetch, the
+            # gradient buckets' and the CUDA graphs' side streams take, so this stream is none of theirs.
+            own = _DECODE_STREAM[caller.cuda_stream] = torch.cuda.Stream(device=caller.device, priority=-1)
+        with torch.cuda.stream(own):  # torchvision makes this stream wait for nvJPEG's
+            images = self._decoded(files, paths, device)
+        caller.wait_stream(own)
+        return images
+
+    def _decoded(self, files: list, paths: list[str], device) -> list:
+        """decode_jpeg's images, or the CPU's where nvJPEG fails the call."""
         from torchvision.io import ImageReadMode, decode_jpeg
 
-        if device.type == "cuda":
-            import torch
-
-            read = _READ.get(torch.cuda.current_stream(device).cuda_stream)
-            if read is not None:
-                read.synchronize()
         try:
             return decode_jpeg(files, mode=ImageReadMode.RGB, device=device)
         except RuntimeError as e:

@@ -107,6 +107,28 @@ def test_decoded_images_are_not_overwritten_before_their_crops_read_them(tmp_pat
 
 
 @requires_gpus(1)
+def test_memory_a_queued_kernel_still_writes_is_not_given_to_nvjpeg(tmp_path):
+    """The model's own memory: blocks freed on the calling stream while a kernel queued there still writes them
+    must not take nvJPEG's output, which nvJPEG writes at once on a stream of its own (with data.prefetch=false
+    a compiled ResNet-50 trained to NaN within 20 steps). Blocks the size of each decoded image are freed
+    behind a long kernel and a fill of 255; the batch decoded then is what it is decoded alone."""
+    folder = image_folder(tmp_path / "imgs", 16, seed=7)
+    gpu = ImageFolder(folder["path"], image_size=224, num_classes=10, augment=False, decode="gpu")
+    cuda = torch.device("cuda", 0)
+    raw = gpu.collate([gpu[SampleIndex(i, i, 0)] for i in range(16)])[0].pin_memory()
+    want = raw.decode(cuda, 224).clone()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # about a second of the calling stream: the fills wait behind it
+    held = [torch.empty(n, dtype=torch.uint8, device=cuda) for n in raw.decoded]
+    for t in held:
+        t.fill_(255)
+    del held, t  # freed with their fills still queued
+    got = raw.decode(cuda, 224)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
+@requires_gpus(1)
 def test_a_damaged_jpeg_on_the_gpu_is_one_line(tmp_path):
     root = make_folder(tmp_path / "imgs")
     bad = root / "c1" / "0.jpg"
