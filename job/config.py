@@ -164,9 +164,10 @@ class DataCfg:
     the dataset's to_device work (data.decode=gpu's decoding) run on a background thread."""
     prefetch_depth: int = 1
     """With data.prefetch: how many batches that thread prepares ahead (1-4), one after another. Each above 1
-    holds one more batch on the device (ResNet-50 at batch 256: 154 MB, out of memory.margin_gb) and evens out
-    preparations whose time varies from batch to batch. On one H200 with 16 cores, compiled ResNet-50 from JPEGs
-    trained no faster with 2 than with 1, the card busy between steps (docs/benchmarks.md)."""
+    holds one more batch on the device (ResNet-50 at batch 256: 154 MB; the memory plan counts every batch
+    ahead in each card's share) and evens out preparations whose time varies from batch to batch. On one H200
+    with 16 cores, compiled ResNet-50 from JPEGs trained no faster with 2 than with 1, the card busy between
+    steps (docs/benchmarks.md)."""
     decode: str = "auto"
     """imagefolder: where JPEG files are decoded: cpu (the DataLoader workers, libjpeg-turbo), gpu (the
     training GPU, batched nvJPEG; the workers read the files, and decode the part data.gpu_share leaves

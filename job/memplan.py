@@ -378,10 +378,12 @@ def host_shortfall(*, params: int, optimizer: str, momentum: float, procs: int, 
             "(workload.*), in fewer processes (strategy.nprocs), or on GPUs")
 
 
-def probe(card: CardPlan, device, step, *, upto: int, limit: int, extra: float = 0.0) -> None:
+def probe(card: CardPlan, device, step, *, upto: int, limit: int, extra: float = 0.0,
+          extra_per_sample: float = 0.0) -> None:
     """Measure cost(b) on one card until a probe reaches `upto` samples (or the card's predicted room):
     `step(b)` runs forward + backward of b samples there and frees its gradients; `extra` (bytes) is
-    what the real step keeps that a probe does not (optimizer state, ...). Resumes from earlier probes
+    what the real step keeps that a probe does not (optimizer state, ...), `extra_per_sample` the same for
+    each sample of the card's share (the batches data.prefetch holds ahead). Resumes from earlier probes
     of the same card. Fills fixed/per_sample (reserved), alloc_fixed/alloc_per_sample and capacity."""
     points = [tuple(int(v) for v in p) for p in card.probes]
     budget = card.room - extra
@@ -391,7 +393,7 @@ def probe(card: CardPlan, device, step, *, upto: int, limit: int, extra: float =
             break
         if len(points) > 1:
             fixed, slope = fit_line([(p[0], p[2]) for p in points])
-            nxt = min(upto, limit, 2 * last, capacity(budget, fixed, slope, limit=limit))
+            nxt = min(upto, limit, 2 * last, capacity(budget, fixed, slope + extra_per_sample, limit=limit))
         else:
             nxt = min(upto, limit, 2 * last) if last else 1
         if nxt <= last:
@@ -411,9 +413,9 @@ def probe(card: CardPlan, device, step, *, upto: int, limit: int, extra: float =
         return
     fixed, slope = fit_line([(p[0], p[2]) for p in points])
     afixed, aslope = fit_line([(p[0], p[1]) for p in points])
-    card.fixed, card.per_sample = fixed + extra, slope
-    card.alloc_fixed, card.alloc_per_sample = afixed + extra, aslope
-    fits = capacity(card.room, card.fixed, slope, limit=limit)
+    card.fixed, card.per_sample = fixed + extra, slope + extra_per_sample
+    card.alloc_fixed, card.alloc_per_sample = afixed + extra, aslope + extra_per_sample
+    fits = capacity(card.room, card.fixed, card.per_sample, limit=limit)
     if card.probe_failed:
         fits = min(fits, points[-1][0])  # the probe above the last point failed: trust the measurement
     card.capacity = fits
@@ -479,6 +481,7 @@ class Context:
     loss_fn: object = None          # loss(output, target, reduction="sum")
     precision: object = None        # job.precision.Precision: the probes' autocast (None: off)
     optimizer_bytes: object = None  # params -> bytes the first optimizer step will keep
+    batches_ahead: int = 0          # moved batches alive beside the one training (data.prefetch_depth)
     run_dir: Path | None = None
     key: dict = field(default_factory=dict)  # what a cached plan must match
 
@@ -486,6 +489,11 @@ class Context:
         if not self.cap_gb:
             return None
         return float(self.cap_gb[0] if len(self.cap_gb) == 1 else self.cap_gb[index])
+
+    def sample_bytes(self, device) -> int:
+        """One sample's inputs (x and y) on `device`, as the step receives them."""
+        x, y = self.make_batch(1, device)
+        return x.numel() * x.element_size() + y.numel() * y.element_size()
 
     def card(self, device, label: str, index: int) -> CardPlan:
         return card_state(device, label, cap_gb=self.cap_for(index), margin_gb=self.margin_gb)

@@ -329,7 +329,7 @@ class Trainer:
             run_dir=self.run_dir, make_batch=lambda b, d: self.data.probe_batch(b, d, channels_last=t.channels_last),
             optimizer_bytes=(lambda params: 0) if self.optimizer.state else
             (lambda params: memplan.optimizer_state_bytes(params, t.optimizer, t.momentum)),
-            key=_plan_key(c, self.env.world_size, self.micro_batch),
+            batches_ahead=_batches_ahead(c), key=_plan_key(c, self.env.world_size, self.micro_batch),
         )
         plan = self.strategy.plan_memory(planning)
         # Probes draw random inputs: the training stream must not depend on whether they ran.
@@ -1215,7 +1215,14 @@ def _plan_key(cfg, world_size: int, micro_batch: int) -> dict:
             "workload": OmegaConf.to_container(cfg.workload), "amp": t.amp,
             "activation_checkpointing": t.activation_checkpointing, "channels_last": t.channels_last,
             "compile": t.compile, "optimizer": t.optimizer, "momentum": t.momentum,
-            "margin_gb": cfg.memory.margin_gb, "cap_gb": list(cfg.memory.cap_gb)}
+            "margin_gb": cfg.memory.margin_gb, "cap_gb": list(cfg.memory.cap_gb), "batches_ahead": _batches_ahead(cfg)}
+
+
+def _batches_ahead(cfg) -> int:
+    """Moved batches a card holds beside the one training: data.prefetch's thread makes the next
+    data.prefetch_depth while it trains (without it, the next is moved once the step is queued, into
+    memory the step freed). Synthetic data is drawn on the device, one batch at a time."""
+    return int(cfg.data.prefetch_depth) if cfg.data.prefetch and cfg.data.kind != "synthetic" else 0
 
 
 def _where(devices: list[torch.device], world: int) -> str:

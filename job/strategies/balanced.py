@@ -115,10 +115,9 @@ class BalancedStrategy(Strategy):
             else:
                 plain = self._plain_replicas()
                 extra = planning.optimizer_bytes(self._params[0])
-                x0, y0 = planning.make_batch(1, self.devices[0])
-                # The whole micro-batch's inputs arrive on card 0 before they are split.
-                inputs = mb * (x0.numel() * x0.element_size() + y0.numel() * y0.element_size())
-                del x0, y0
+                # The whole micro-batch's inputs arrive on card 0 before they are split, and so do the batches
+                # data.prefetch holds ahead.
+                inputs = mb * planning.sample_bytes(self.devices[0]) * (1 + planning.batches_ahead)
 
                 def prober(k: int):
                     step = planning.probe_step(plain[k], self.devices[k])

@@ -118,10 +118,11 @@ class DDPStrategy(ProcessGroupStrategy):
             else:
                 step = planning.probe_step(self.module, self.device)
                 extra = planning.optimizer_bytes(list(self.module.parameters()))
+                ahead = planning.batches_ahead * planning.sample_bytes(self.device) if planning.batches_ahead else 0
 
                 def probe_upto(b: int) -> None:
                     memplan.probe(plan.cards[self.rank], self.device, step, upto=b, limit=planning.micro_batch,
-                                  extra=extra)
+                                  extra=extra, extra_per_sample=ahead)
 
                 def exchange(cards):
                     return self.all_gather_object(cards[self.rank])

@@ -307,3 +307,34 @@ def test_probes_leave_weights_buffers_and_gradients_untouched():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_batches_data_prefetch_holds_ahead_count_in_each_sample_of_a_cards_share(monkeypatch):
+    """The probes hold one batch; with data.prefetch its thread holds more (data.prefetch_depth): their bytes a
+    sample are added to the fitted line, so a card fits fewer samples and the prediction covers them."""
+    monkeypatch.setattr(memplan, "_measure", lambda device, step, b: (100 + 10 * b, 200 + 10 * b))
+    plain, ahead = (memplan.CardPlan(label="cuda:0", total=1000, free=1000, held=0, room=300) for _ in range(2))
+    memplan.probe(plain, None, None, upto=64, limit=64, extra=20)
+    memplan.probe(ahead, None, None, upto=64, limit=64, extra=20, extra_per_sample=5)
+    assert (plain.fixed, plain.per_sample, plain.alloc_fixed, plain.alloc_per_sample) == (220, 10, 120, 10)
+    assert (ahead.fixed, ahead.per_sample, ahead.alloc_fixed, ahead.alloc_per_sample) == (220, 15, 120, 15)
+    assert (plain.capacity, ahead.capacity) == (8, 5)
+    assert max(p[0] for p in ahead.probes) == 5  # not probed past what fits with the batches ahead
+    ahead.predict(5)
+    assert ahead.predicted_peak == 120 + 15 * 5
+
+
+@pytest.mark.parametrize("kind,overrides,want", [("imagefolder", ["data.prefetch=true", "data.prefetch_depth=3"], 3),
+                                                 ("imagefolder", ["data.prefetch=true"], 1),
+                                                 ("imagefolder", [], 0),
+                                                 ("synthetic", ["data.prefetch=true", "data.prefetch_depth=2"], 0)])
+def test_the_plan_knows_how_many_batches_data_prefetch_holds_ahead(tmp_path, kind, overrides, want):
+    """What the trainer gives the plan, and what a cached plan must match (a plan made at another depth is
+    probed again)."""
+    from job import config, train
+
+    (tmp_path / "c0").mkdir()
+    path = [f"data.path={tmp_path}"] if kind != "synthetic" else []
+    cfg = config.load(["workload=tiny", f"data.kind={kind}", *path, *overrides])
+    assert train._batches_ahead(cfg) == want
+    assert train._plan_key(cfg, 1, 8)["batches_ahead"] == want
