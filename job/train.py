@@ -248,6 +248,7 @@ class Trainer:
         self._ahead = None  # the next step's first micro-batch, taken before the stop vote (_fetch_ahead)
         self._bad_loss = False  # this rank has seen a loss that is not finite
         self._nonfinite: str | None = None  # why the run ended without a checkpoint over the last finite one
+        self._finite_at = 0  # the last step whose loss was seen finite (every step on CPU, each log step on GPUs)
         # Weights are restored before the strategy wraps or replicates the model, the optimizer after
         # (its shape may depend on the strategy), RNG last.
         state, resume_path = self._startup_checks()
@@ -555,6 +556,7 @@ class Trainer:
         window = _Window(self, warmup=t.timing_warmup, settle=settle)
         rank_samples = self.strategy.share(self.micro_batch)[1] * t.accum_steps
         self._logged_at, self._logged_step, self._last_loss = time.perf_counter(), self.step, float("nan")
+        self._finite_at = self.step
         step_start = time.perf_counter()  # a step's time counts its wait for data (_fetch_ahead's too)
         while self.step < t.steps:
             try:
@@ -567,6 +569,8 @@ class Trainer:
             # Not finite: known for free on CPU, and after a device sync (log steps) on GPUs; every save
             # checks again with all ranks before writing.
             bad = self.device.type == "cpu" and not math.isfinite(self._loss_sum.item())
+            if self.device.type == "cpu" and not bad:
+                self._finite_at = self.step
             try:
                 bad = self._log_if_due() or bad
             except BatchFailed as f:  # a held-out batch (Evaluator.run): every rank is here
@@ -710,7 +714,10 @@ class Trainer:
         self._loss_sum.zero_()
         self._data_wait = 0.0
         self._logged_at, self._logged_step = time.perf_counter(), self.step
-        return not math.isfinite(self._last_loss)
+        if math.isfinite(self._last_loss):
+            self._finite_at = self.step
+            return False
+        return True
 
     def _set_lr(self) -> None:
         t = self._train
@@ -841,9 +848,12 @@ class Trainer:
             kept = ckpt.list_checkpoints(self.ckpt_dir)
             what = f"kept the last finite checkpoint {kept[-1]}" if kept else "no checkpoint was written"
             amp = " or train.amp=bf16 instead of fp16" if self.cfg.train.amp == "fp16" else ""
-            log.error("error: the loss or the weights are no longer finite at step %d (%s); %s; lower train.lr "
+            # On GPUs the loss is read at log steps only: say where it was last seen finite.
+            seen = (f"; last seen finite at step {self._finite_at}: a GPU run reads the loss every "
+                    f"train.log_every={self.cfg.train.log_every} steps" if self._finite_at < self.step - 1 else "")
+            log.error("error: the loss or the weights are no longer finite at step %d (%s%s); %s; lower train.lr "
                       "(now %g) or add train.warmup_steps%s, then run the same command with train.run_id=%s to "
-                      "resume", self.step, self._nonfinite, what, self.cfg.train.lr, amp, self.run_id)
+                      "resume", self.step, self._nonfinite, seen, what, self.cfg.train.lr, amp, self.run_id)
         return failure.EXIT_CRASH
 
     def _restart_peaks(self) -> None:

@@ -270,6 +270,7 @@ def test_nan_on_one_rank_keeps_the_last_finite_checkpoint(tmp_path):
     assert checkpoints(tmp_path, "n") == ["step_00000004.pt"], job.text
     lines = [line for _, line in job.lines if "no longer finite" in line]
     assert len(lines) == 1 and "at step 7" in lines[0] and "step_00000004.pt" in lines[0], job.text
+    assert "last seen finite" not in lines[0]  # a CPU run reads every step's loss: step 6 was finite
     state = torch.load(tmp_path / "n" / "checkpoints" / "step_00000004.pt", map_location="cpu", weights_only=False)
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
 

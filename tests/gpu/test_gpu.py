@@ -54,6 +54,21 @@ def test_switches_compose_on_gpu(tmp_path):
     assert s["steps"] == 4
 
 
+@requires_gpus(1)
+def test_a_loss_that_turns_nan_between_log_steps_says_where_it_was_last_finite(tmp_path):
+    """A GPU run reads its loss at log steps only: a NaN at step 5 is seen at step 8, and the one line says
+    the loss was last seen finite at step 4 and why it was not seen earlier; nothing is written over."""
+    p = subprocess.run(job_cmd("train", f"train.run_dir={tmp_path}", "train.run_id=nan", "workload=tiny",
+                               "train.steps=12", "train.log_every=4", "train.checkpoint_every=0"),
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "JOB_FAULT": "0:5:nan"})
+    assert p.returncode == 1, p.stderr[-3000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, p.stderr[-3000:]
+    assert ("no longer finite at step 8 (rank 0; last seen finite at step 4: a GPU run reads the loss every "
+            "train.log_every=4 steps)") in errors[0], errors[0]
+    assert not (tmp_path / "nan" / "checkpoints").exists() or not any((tmp_path / "nan" / "checkpoints").iterdir())
+
+
 @requires_gpus(2)
 @pytest.mark.parametrize("amp,dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
 def test_dp_replicas_run_in_the_autocast_dtype(amp, dtype):
