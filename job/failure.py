@@ -484,5 +484,7 @@ def inject(plan: list[Fault], *, rank: int, step: int) -> bool:
         if f.kind == "nan":
             nan = True
         if f.kind == "slow":
+            print(f"fault ({FAULT_VAR}): rank {rank} sleeps {SLOW_STEP_S:.0f} s in step {step}", file=sys.stderr,
+                  flush=True)  # where a test can wait for the step to be under way
             time.sleep(SLOW_STEP_S)  # a signal's handler still runs in it
     return nan
