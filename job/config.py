@@ -347,6 +347,10 @@ class BenchCfg:
     batch that fits (0: down to the granularity)."""
     profile_steps: int = 5
     """profile: steps profiled after bench.warmup."""
+    profile_phases: bool = True
+    """profile: time each phase of the step between device syncs (the phase table). false: no syncs inside the
+    profiled steps, so the data path's thread and the card's streams overlap as when training, and the step
+    time and what the card ran beside the model are as in an unprofiled run (no phase table)."""
 
 
 @dataclass

@@ -1,11 +1,12 @@
 """bench.mode=profile, both sides: the bench starts one fresh process per strategy (`profile_workload`),
 which runs `python -m job.bench` (`profile_main`): the trainer's own loop under torch.profiler, the phases
-timed between device syncs (`profile_step`), written to profile-<workload>-<strategy>.txt/.json and a
-Chrome trace.
+timed between device syncs unless bench.profile_phases=false (`profile_step`), what the card ran on each CUDA
+stream (`card_streams`, from the trace), written to profile-<workload>-<strategy>.txt/.json and a Chrome trace.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gzip
 import json
@@ -86,6 +87,7 @@ def profile_step(cfg, out: Path) -> dict[str, Any]:
     from job.train import Trainer
 
     warm, last = int(cfg.train.timing_warmup), int(cfg.train.steps)
+    timed = bool(cfg.bench.profile_phases)
     trainer = Trainer(cfg, launch.DistEnv(0, 1, 0))
     phases = _Phases(trainer.devices)
     cuda = trainer.device.type == "cuda"
@@ -105,7 +107,7 @@ def profile_step(cfg, out: Path) -> dict[str, Any]:
 
     trainer.step_hooks.append(window)
     try:
-        with job_phases.listening(phases):
+        with job_phases.listening(phases) if timed else contextlib.nullcontext():
             trainer.fit()
     finally:
         trainer.close()
@@ -116,9 +118,10 @@ def profile_step(cfg, out: Path) -> dict[str, Any]:
     rows = [{"name": n, "depth": d, "ms_per_step": phases.seconds[n] * 1e3 / steps,
              "share": phases.seconds[n] * 1e3 / steps / step_ms, "calls": phases.calls[n]}
             for n, d in PHASES if n in phases.seconds]
-    other = step_ms - sum(r["ms_per_step"] for r in rows if r["depth"] == 0)
-    rows.append({"name": "other (zero_grad, lr, grad sync hooks, step bookkeeping)", "depth": 0,
-                 "ms_per_step": other, "share": other / step_ms, "calls": steps})
+    if timed:
+        other = step_ms - sum(r["ms_per_step"] for r in rows if r["depth"] == 0)
+        rows.append({"name": "other (zero_grad, lr, grad sync hooks, step bookkeeping)", "depth": 0,
+                     "ms_per_step": other, "share": other / step_ms, "calls": steps})
     sort_by = "self_cuda_ms" if cuda else "self_cpu_ms"
     ops = []
     for e in prof.key_averages():
@@ -134,26 +137,109 @@ def profile_step(cfg, out: Path) -> dict[str, Any]:
         prof.export_chrome_trace(str(raw))
         with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
             shutil.copyfileobj(src, dst)
+        with open(raw) as f:
+            card = card_streams(json.load(f).get("traceEvents", []), steps, device=trainer.device.index or 0)
     where = (f"{len(trainer.devices)} GPU(s)" if cuda else "CPU")
     note = ("phases are timed between device syncs, so each holds its own GPU work; overlap between phases "
-            "is removed, so the step is a little slower than unprofiled")
+            "is removed, so the step is a little slower than unprofiled" if timed else
+            "bench.profile_phases=false: no phase is timed and nothing waits for the card inside the profiled "
+            "steps, so the data path's thread and the card's streams overlap as when training")
     lines = [f"profile {cfg.strategy.name}, {cfg.workload.name}, global batch {cfg.train.batch_size}, {where}: "
              f"{steps} steps after {warm} warm-up, {step_ms:.2f} ms per step", f"({note})"]
-    lines += _grid(["phase", "ms/step", "share", "calls"],
-                   [["  " * r["depth"] + r["name"], f"{r['ms_per_step']:.2f}", f"{r['share']:.1%}", str(r["calls"])]
-                    for r in rows])
+    if rows:
+        lines += _grid(["phase", "ms/step", "share", "calls"],
+                       [["  " * r["depth"] + r["name"], f"{r['ms_per_step']:.2f}", f"{r['share']:.1%}",
+                         str(r["calls"])] for r in rows])
+    if card is not None:
+        lines += card_lines(card, step_ms)
     lines.append(f"top {len(ops)} operators by self {'CUDA' if cuda else 'CPU'} time over the {steps} steps:")
     lines += _grid(["operator", "self CUDA ms", "self CPU ms", "calls"],
                    [[o["name"][:60], f"{o['self_cuda_ms']:.2f}", f"{o['self_cpu_ms']:.2f}", str(o["calls"])]
                     for o in ops])
     lines.append(f"trace (chrome://tracing, Perfetto): {trace}")
     doc = {"workload": cfg.workload.name, "strategy": cfg.strategy.name, "device": str(trainer.device.type),
-           "warmup": warm, "steps": steps, "step_ms": step_ms, "phases": rows, "sort_by": sort_by, "top_ops": ops,
+           "warmup": warm, "steps": steps, "step_ms": step_ms, "phases_timed": timed, "phases": rows,
+           "card": card, "sort_by": sort_by, "top_ops": ops,
            "summary": "\n".join(lines), "trace": str(trace), "note": note}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".txt").write_text(doc["summary"] + "\n")
     out.with_suffix(".json").write_text(json.dumps(doc, indent=2) + "\n")
     return doc
+
+
+# What the card runs, in a torch.profiler trace: its kernels, copies and memory sets, each with its CUDA stream.
+CARD_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _common(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
+    """The length both unions of spans cover (each merged and sorted)."""
+    i = j = 0
+    both = 0.0
+    while i < len(x) and j < len(y):
+        both += max(0.0, min(x[i][1], y[j][1]) - max(x[i][0], y[j][0]))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return both
+
+
+def card_streams(events: list[dict], steps: int, *, device: int = 0, top: int = 4) -> dict[str, Any] | None:
+    """What card `device` (the training process's first) ran over the profiled steps, from the trace's `events`
+    (a Chrome trace's traceEvents):
+    each CUDA stream's time a step (its kernels, copies and sets) with its `top` entries, the busiest stream
+    first (the model's: the training thread's stream, where the step's kernels go); the card's busy time a
+    step (the union over every stream); and how much of the busiest stream's time another stream ran beside
+    it (the data path's copies and decoding share the card with the model there). None without such
+    events (a CPU run)."""
+    spans: dict[int, list[tuple[float, float]]] = collections.defaultdict(list)
+    time_of: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    calls: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+    for e in events:
+        args = e.get("args") or {}
+        if (e.get("cat") not in CARD_EVENTS or not isinstance(e.get("dur"), (int, float))
+                or int(args.get("device", device)) != device):
+            continue
+        stream = int(args.get("stream", -1))
+        spans[stream].append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
+        time_of[stream][str(e.get("name", "?"))] += float(e["dur"])
+        calls[stream][str(e.get("name", "?"))] += 1
+    if not spans:
+        return None
+    per = 1e3 * steps  # microseconds over the window -> ms a step
+    order = sorted(spans, key=lambda s: -sum(time_of[s].values()))
+    merged = {s: _merged(spans[s]) for s in order}
+    main, rest = merged[order[0]], _merged([x for s in order[1:] for x in spans[s]])
+    return {"device": device, "busy_ms": sum(b - a for a, b in _merged([x for s in order for x in spans[s]])) / per,
+            "main_stream": order[0], "main_beside_ms": _common(main, rest) / per,
+            "streams": [{"stream": s, "ms_per_step": sum(b - a for a, b in merged[s]) / per,
+                         "events_per_step": sum(calls[s].values()) / steps,
+                         "top": [{"name": n, "ms_per_step": t / per, "calls": calls[s][n]}
+                                 for n, t in time_of[s].most_common(top)]} for s in order]}
+
+
+def card_lines(card: dict[str, Any], step_ms: float) -> list[str]:
+    """card_streams' figures as the profile's text."""
+    main = card["streams"][0]
+    lines = [f"card {card['device']} (kernels, copies and sets of every CUDA stream, from the trace): busy "
+             f"{card['busy_ms']:.2f} "
+             f"ms a step of {step_ms:.2f}; the busiest stream ({card['main_stream']}, the model's) "
+             f"{main['ms_per_step']:.2f} ms, {card['main_beside_ms']:.2f} of it beside another stream's work"]
+    for s in card["streams"]:
+        lines.append(f"  stream {s['stream']}: {s['ms_per_step']:.2f} ms a step, {s['events_per_step']:.1f} "
+                     "events a step")
+        lines += [f"    {t['ms_per_step']:8.3f} ms  {t['calls']:6d} calls  {t['name'][:80]}" for t in s["top"]]
+    return lines
 
 
 def profile_main(argv: list[str]) -> int:
@@ -188,7 +274,9 @@ def profile_workload(bench: Runs, workload: str) -> dict[str, Any]:
             break
         out = bench.out / f"profile-{workload}-{s}"
         row = bench.run(RunSpec(workload, f"profile-{s}", "profile", s, program="profile",
-                                extra=(f"train.log_every={total}",), steps=bench.settings.profile_steps,
+                                extra=(f"train.log_every={total}",
+                                       f"bench.profile_phases={str(bench.settings.profile_phases).lower()}"),
+                                steps=bench.settings.profile_steps,
                                 env={PROFILE_ENV: str(out)}))
         runs.append(row)
         if row["status"] == "ok":

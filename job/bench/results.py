@@ -134,7 +134,12 @@ OVERHEAD_SCHEMA = _obj({
 })
 PROFILE_SCHEMA = _obj({
     "workload": _STR, "strategy": _STR, "device": _STR, "warmup": _INT, "steps": _INT, "step_ms": _NUM,
+    "phases_timed": _BOOL,
     "phases": _array(_obj({"name": _STR, "depth": _INT, "ms_per_step": _NUM, "share": _NUM, "calls": _INT})),
+    "card": _nullable(_obj({
+        "device": _INT, "busy_ms": _NUM, "main_stream": _INT, "main_beside_ms": _NUM,
+        "streams": _array(_obj({"stream": _INT, "ms_per_step": _NUM, "events_per_step": _NUM,
+                                "top": _array(_obj({"name": _STR, "ms_per_step": _NUM, "calls": _INT}))}))})),
     "sort_by": {"enum": ["self_cuda_ms", "self_cpu_ms"]},
     "top_ops": _array(_obj({"name": _STR, "calls": _INT, "self_cuda_ms": _NUM, "self_cpu_ms": _NUM})),
     "summary": _STR, "trace": _nullable(_STR), "note": _STR,

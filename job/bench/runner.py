@@ -141,7 +141,8 @@ class Bench:
             b = self.settings
             what = {"compare": f"{b.warmup}+{b.steps} steps x {b.repeats} repeat(s)",
                     "maxbatch": f"trials of {b.maxbatch_steps} steps, at most {b.maxbatch_trials} per strategy",
-                    "profile": f"{b.profile_steps} steps profiled after {b.warmup}"}[b.mode]
+                    "profile": f"{b.profile_steps} steps profiled after {b.warmup}"
+                               + ("" if b.profile_phases else " (phases not timed)")}[b.mode]
             log.info("bench %s: %s, workloads %s, strategies %s, %s -> %s", b.mode, where, ",".join(self.workloads),
                      ",".join(b.strategies), what, self.out)
             mode = {"compare": bench_workload, "maxbatch": maxbatch_workload, "profile": profile_workload}[self.settings.mode]

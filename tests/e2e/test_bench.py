@@ -423,6 +423,7 @@ def test_profile_mode_on_cpu(tmp_path):
     validate(doc)
     (prof,) = doc["workloads"][0]["profiles"]
     assert (prof["strategy"], prof["device"], prof["steps"], prof["warmup"]) == ("dp", "cpu", 3, 2)
+    assert prof["phases_timed"] is True and prof["card"] is None  # no card: no streams
     phases = {ph["name"]: ph for ph in prof["phases"]}
     for name in ("data", "forward+loss", "forward", "loss", "backward", "optimizer"):
         assert phases[name]["calls"] == 3 and phases[name]["ms_per_step"] > 0, name
@@ -434,3 +435,18 @@ def test_profile_mode_on_cpu(tmp_path):
     assert prof["summary"] in p.stdout
     with gzip.open(prof["trace"]) as f:
         assert "traceEvents" in json.load(f)
+
+
+def test_profile_mode_without_phase_syncs(tmp_path):
+    """bench.profile_phases=false: the steps are profiled as they train (no phase table, no syncs inside)."""
+    out = tmp_path / "p"
+    p = run_bench(out, "bench.mode=profile", "strategies=[dp]", "bench.warmup=2", "bench.profile_steps=3",
+                  "bench.profile_phases=false")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "3 steps profiled after 2 (phases not timed)" in p.stderr
+    doc = json.loads((out / "bench.json").read_text())
+    validate(doc)
+    (prof,) = doc["workloads"][0]["profiles"]
+    assert prof["phases_timed"] is False and prof["phases"] == [] and prof["step_ms"] > 0
+    assert "(bench.profile_phases=false: no phase is timed" in prof["summary"] and "ms/step" not in prof["summary"]
+    assert any("conv" in o["name"] for o in prof["top_ops"])

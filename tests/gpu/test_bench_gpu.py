@@ -1,5 +1,5 @@
-"""`python -m job bench` on 2 real GPUs: compare, maxbatch with a tenant, the dp profile (marked, skipped
-without the cards).
+"""`python -m job bench` on real GPUs: compare, maxbatch with a tenant, the dp profile on 2; on 1, what the
+card runs beside the model (marked, skipped without the cards).
 """
 
 from __future__ import annotations
@@ -90,3 +90,34 @@ def test_profile_dp_on_two_gpus(tmp_path):
         assert phases[name]["calls"] == 3 and phases[name]["ms_per_step"] > 0, name
     assert prof["sort_by"] == "self_cuda_ms" and prof["top_ops"][0]["self_cuda_ms"] > 0
     assert "replicate" in (out / "profile-lm-dp.txt").read_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@requires_gpus(1)
+def test_profile_says_what_the_card_runs_beside_the_model(tmp_path):
+    """One card, JPEGs decoded there on data.prefetch's thread, no phase syncs: the profile's card figures
+    hold the model's stream and at least one more (the prefetch thread's copies and crops, nvJPEG's), the
+    busy union between the busiest stream and the sum of them all, and within the step."""
+    from job.bench.imagefolder import image_folder
+
+    folder = image_folder(tmp_path / "imgs", 300)
+    out = tmp_path / "pc"
+    args = ["bench.mode=profile", "strategies=[balanced]", "workload=resnet50", "train.amp=bf16",
+            "train.batch_size=64", "data.kind=imagefolder", f"data.path={folder['path']}", "data.workers=2",
+            "data.decode=gpu", "data.prefetch=true", "bench.warmup=5", "bench.profile_steps=5",
+            "bench.profile_phases=false", f"bench.out={out}"]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+    p = subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads((out / "bench.json").read_text())
+    validate(doc, required=False)
+    (prof,) = doc["workloads"][0]["profiles"]
+    card = prof["card"]
+    assert prof["phases_timed"] is False and prof["phases"] == [] and card is not None
+    streams = card["streams"]
+    assert len(streams) >= 2, streams
+    total = sum(s["ms_per_step"] for s in streams)
+    assert streams[0]["ms_per_step"] <= card["busy_ms"] <= total + 1e-6
+    assert card["busy_ms"] <= prof["step_ms"] * 1.02 and card["main_beside_ms"] <= streams[0]["ms_per_step"]
+    assert "the busiest stream" in (out / "profile-resnet50-balanced.txt").read_text()

@@ -769,3 +769,33 @@ def test_every_row_of_a_workload_is_timed_over_the_same_steps_as_its_auto_rows(m
     assert set(plan(cuda=0).values()) == {10}  # no card: nothing chooses
     assert set(plan(cuda=1, decode="cpu").values()) == {10}  # the decoder fixed: nothing chooses
 
+
+
+def test_the_profile_says_what_the_card_ran_on_each_stream_and_beside_the_model():
+    """card_streams on a hand-made trace of 2 steps: the model's stream (7, the busiest) and a decoder's (20)
+    whose work partly runs beside it; CPU events, unfinished device events and another card's are not its."""
+    from job.bench.profiling import card_lines, card_streams
+
+    def ev(cat, name, stream, ts, dur=None):
+        e = {"ph": "X", "cat": cat, "name": name, "ts": ts, "args": {"stream": stream}}
+        return e if dur is None else {**e, "dur": dur}
+
+    events = [ev("kernel", "conv", 7, 0, 10), ev("kernel", "bn", 7, 20, 10), ev("kernel", "conv", 7, 100, 10),
+              ev("kernel", "bn", 7, 120, 10), ev("kernel", "nvjpeg::decode", 20, 5, 10),
+              ev("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 20, 105, 20),
+              ev("cpu_op", "aten::conv2d", 7, 0, 500), ev("kernel", "no end", 20, 140),
+              {**ev("kernel", "card 1's", 7, 0, 900), "args": {"device": 1, "stream": 7}}]
+    card = card_streams(events, steps=2)
+    assert [s["stream"] for s in card["streams"]] == [7, 20] and card["main_stream"] == 7
+    assert card["streams"][0]["ms_per_step"] == pytest.approx(0.020)  # 40 us over 2 steps
+    assert card["streams"][1]["ms_per_step"] == pytest.approx(0.015)
+    assert card["busy_ms"] == pytest.approx(0.0275)  # 0-15, 20-30, 100-130: 55 us
+    assert card["main_beside_ms"] == pytest.approx(0.0075)  # 5-10, 105-110, 120-125: 15 us
+    assert [(t["name"], t["calls"]) for t in card["streams"][0]["top"]] == [("conv", 2), ("bn", 2)]
+    assert card["streams"][1]["events_per_step"] == 1.0
+    text = "\n".join(card_lines(card, 0.05))
+    assert ("card 0 (kernels, copies and sets of every CUDA stream, from the trace): busy 0.03 ms a step of 0.05; "
+            "the busiest stream (7, the model's) 0.02 ms, 0.01 of it beside") in text
+    assert "stream 20: 0.01 ms a step" in text and "nvjpeg::decode" in text
+    assert card_streams([ev("cpu_op", "aten::mm", 0, 0, 5)], steps=1) is None  # a CPU run: no card
+    assert card_streams(events, steps=2, device=1)["busy_ms"] == pytest.approx(0.45)
