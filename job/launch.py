@@ -141,7 +141,7 @@ def raise_open_file_limit() -> None:
         pass
 
 
-def _cuda_count(cfg) -> int:
+def cuda_count(cfg) -> int:
     """CUDA cards the ranks of a plain command would use (0 on the CPU)."""
     if cfg.train.device == "cpu":
         return 0
@@ -384,7 +384,7 @@ def spawn(cfg, nprocs: int) -> int:
     """Run the resolved config as `nprocs` local ranks; return 0, 75 if interrupted, else the worst code."""
     from omegaconf import OmegaConf
 
-    check_host(nprocs, cuda_count=_cuda_count(cfg), backend=cfg.strategy.backend)
+    check_host(nprocs, cuda_count=cuda_count(cfg), backend=cfg.strategy.backend)
     cfg_fd, cfg_tmp = _config_fd(OmegaConf.to_yaml(cfg))
     # Linux: each rank opens /proc/self/fd/N afresh (its own offset); elsewhere the private file.
     cfg_path = f"/proc/self/fd/{cfg_fd}" if cfg_tmp is None else cfg_tmp

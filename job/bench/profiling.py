@@ -247,15 +247,15 @@ def profile_main(argv: list[str]) -> int:
     what bench.mode=profile runs per strategy in a fresh process."""
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
-        from job import devices
+        from job import devices, launch
 
         devices.prepare_environment()
         out = os.environ.get(PROFILE_ENV)
         if not out:
             raise UsageError(f"{PROFILE_ENV} is not set; run `python -m job bench bench.mode=profile` instead")
         cfg = config_mod.load(argv)
-        if multi_process(cfg.strategy.name):
-            raise UsageError(f"the profile runs one process; strategy {cfg.strategy.name} runs one per card")
+        if multi_process(cfg.strategy.name) and launch.nprocs_for(cfg, launch.cuda_count(cfg)) > 1:
+            raise UsageError(f"the profile runs one process; strategy {cfg.strategy.name} runs one per card here")
         doc = profile_step(cfg, Path(out))
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -26,7 +26,14 @@ from job.bench.maxbatch import maxbatch_workload
 from job.bench.process import GROUP_VARS
 from job.bench.profiling import profile_workload
 from job.bench.results import SCHEMA_ID
-from job.bench.settings import FILE_ROW_DATA, check_settings, nest, user_overrides, variant_args
+from job.bench.settings import (
+    FILE_ROW_DATA,
+    check_settings,
+    multi_process,
+    nest,
+    user_overrides,
+    variant_args,
+)
 from job.bench.table import table
 from job.bench.tenant import Tenant
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
@@ -47,6 +54,13 @@ class Bench:
         self.device = "cuda" if self.cuda else "cpu"
         # Without GPUs, processes stand in for cards: the ddp process count (the user's, else cpu_procs).
         self.cards = self.cuda or int(self.overrides.get("strategy.nprocs") or self.settings.cpu_procs)
+        if self.settings.mode == "profile":
+            multi = [s for s in self.settings.strategies if multi_process(s)]
+            if multi and self.cards > 1:  # on one card such a strategy is one process, profiled as any other
+                raise UsageError(
+                    f"bench.mode=profile profiles one process; {', '.join(multi)} runs one process per card and "
+                    f"{'there are' if self.cuda else 'it would start'} {self.cards}: profile a single-process "
+                    "strategy (strategies=[dp]), or one card (CUDA_VISIBLE_DEVICES=0; on a CPU strategy.nprocs=1)")
         self.workloads = list(self.settings.workloads) or [preset]  # workload presets, one table each
         # The workload each preset builds (lm-24x384 is an lm), and its settings' keys.
         loaded = {w: config_mod.load([f"workload={w}"]) for w in self.workloads}

@@ -168,11 +168,6 @@ def check_settings(b) -> None:
         why = _unknown_strategy(name, key)
         if why:
             raise UsageError(why)
-    if b.mode == "profile":
-        multi = [s for s in b.strategies if multi_process(s)]
-        if multi:
-            raise UsageError(f"bench.mode=profile profiles one process; {', '.join(multi)} runs one process per "
-                             "card: profile a single-process strategy, e.g. strategies=[dp]")
     workloads = config_mod.preset_names("workload")
     for w in b.workloads:
         if w not in workloads:

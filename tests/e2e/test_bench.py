@@ -438,15 +438,17 @@ def test_profile_mode_on_cpu(tmp_path):
 
 
 def test_profile_mode_without_phase_syncs(tmp_path):
-    """bench.profile_phases=false: the steps are profiled as they train (no phase table, no syncs inside)."""
+    """bench.profile_phases=false: the steps are profiled as they train (no phase table, no syncs inside); ddp
+    in one process (one card, here strategy.nprocs=1) is profiled as any one-process strategy."""
     out = tmp_path / "p"
-    p = run_bench(out, "bench.mode=profile", "strategies=[dp]", "bench.warmup=2", "bench.profile_steps=3",
-                  "bench.profile_phases=false")
+    p = run_bench(out, "bench.mode=profile", "strategies=[ddp]", "strategy.nprocs=1", "bench.warmup=2",
+                  "bench.profile_steps=3", "bench.profile_phases=false")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "3 steps profiled after 2 (phases not timed)" in p.stderr
     doc = json.loads((out / "bench.json").read_text())
     validate(doc)
     (prof,) = doc["workloads"][0]["profiles"]
-    assert prof["phases_timed"] is False and prof["phases"] == [] and prof["step_ms"] > 0
+    assert prof["strategy"] == "ddp" and prof["phases_timed"] is False and prof["phases"] == []
+    assert prof["step_ms"] > 0
     assert "(bench.profile_phases=false: no phase is timed" in prof["summary"] and "ms/step" not in prof["summary"]
     assert any("conv" in o["name"] for o in prof["top_ops"])

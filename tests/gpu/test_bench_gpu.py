@@ -96,14 +96,14 @@ def test_profile_dp_on_two_gpus(tmp_path):
 @pytest.mark.slow
 @requires_gpus(1)
 def test_profile_says_what_the_card_runs_beside_the_model(tmp_path):
-    """One card, JPEGs decoded there on data.prefetch's thread, no phase syncs: the profile's card figures
-    hold the model's stream and at least one more (the prefetch thread's copies and crops, nvJPEG's), the
-    busy union between the busiest stream and the sum of them all, and within the step."""
+    """One card, ddp (one process), JPEGs decoded there on data.prefetch's thread, no phase syncs: the card
+    figures hold the model's stream and at least one more (the prefetch thread's copies and crops, nvJPEG's),
+    the busy union between the busiest stream and the sum of them all, and within the step."""
     from job.bench.imagefolder import image_folder
 
     folder = image_folder(tmp_path / "imgs", 300)
     out = tmp_path / "pc"
-    args = ["bench.mode=profile", "strategies=[balanced]", "workload=resnet50", "train.amp=bf16",
+    args = ["bench.mode=profile", "strategies=[ddp]", "workload=resnet50", "train.amp=bf16",
             "train.batch_size=64", "data.kind=imagefolder", f"data.path={folder['path']}", "data.workers=2",
             "data.decode=gpu", "data.prefetch=true", "bench.warmup=5", "bench.profile_steps=5",
             "bench.profile_phases=false", f"bench.out={out}"]
@@ -120,4 +120,4 @@ def test_profile_says_what_the_card_runs_beside_the_model(tmp_path):
     total = sum(s["ms_per_step"] for s in streams)
     assert streams[0]["ms_per_step"] <= card["busy_ms"] <= total + 1e-6
     assert card["busy_ms"] <= prof["step_ms"] * 1.02 and card["main_beside_ms"] <= streams[0]["ms_per_step"]
-    assert "the busiest stream" in (out / "profile-resnet50-balanced.txt").read_text()
+    assert "the busiest stream" in (out / "profile-resnet50-ddp.txt").read_text()
