@@ -119,8 +119,9 @@ BAD = [
     (["workload.width=0"], "`workload.width=0` is out of range"),
     (["data.workers=1000"], "`data.workers=1000` is out of range; use 0 to 256"),
     (["data.prefetch=true", "data.prefetch_depth=0"], "`data.prefetch_depth=0` is out of range; use 1 to 4"),
-    (["data.prefetch_depth=2"], "data.prefetch_depth=2 is how far data.prefetch's thread prepares batches ahead, and "
-                                "data.prefetch=false: add data.prefetch=true, or drop data.prefetch_depth"),
+    (["data.prefetch=false", "data.prefetch_depth=2"],
+     "data.prefetch_depth=2 is how far data.prefetch's thread prepares batches ahead, and data.prefetch=false: "
+     "add data.prefetch=true, or drop data.prefetch_depth"),
     (["train.keep_checkpoints=0"], "`train.keep_checkpoints=0` is out of range"),
     (["telemetry.port=70000"], "is not a TCP port"),
     (["workload=lm", "workload.heads=7"], "workload.d_model=768 is not a multiple of workload.heads=7"),

@@ -324,9 +324,9 @@ def test_the_batches_data_prefetch_holds_ahead_count_in_each_sample_of_a_cards_s
     assert ahead.predicted_peak == 120 + 15 * 5
 
 
-@pytest.mark.parametrize("kind,overrides,want", [("imagefolder", ["data.prefetch=true", "data.prefetch_depth=3"], 3),
-                                                 ("imagefolder", ["data.prefetch=true"], 1),
-                                                 ("imagefolder", [], 0),
+@pytest.mark.parametrize("kind,overrides,want", [("imagefolder", ["data.prefetch_depth=3"], 3),
+                                                 ("imagefolder", [], 1),  # data.prefetch=true by default
+                                                 ("imagefolder", ["data.prefetch=false"], 0),
                                                  ("synthetic", ["data.prefetch=true", "data.prefetch_depth=2"], 0)])
 def test_the_plan_knows_how_many_batches_data_prefetch_holds_ahead(tmp_path, kind, overrides, want):
     """What the trainer gives the plan, and what a cached plan must match (a plan made at another depth is
