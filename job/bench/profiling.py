@@ -181,6 +181,10 @@ def _merged(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(a, b) for a, b in out]
 
 
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)
+
+
 def _common(x: list[tuple[float, float]], y: list[tuple[float, float]]) -> float:
     """The length both unions of spans cover (each merged and sorted)."""
     i = j = 0
@@ -220,9 +224,10 @@ def card_streams(events: list[dict], steps: int, *, device: int = 0, top: int = 
     order = sorted(spans, key=lambda s: -sum(time_of[s].values()))
     merged = {s: _merged(spans[s]) for s in order}
     main, rest = merged[order[0]], _merged([x for s in order[1:] for x in spans[s]])
-    return {"device": device, "busy_ms": sum(b - a for a, b in _merged([x for s in order for x in spans[s]])) / per,
-            "main_stream": order[0], "main_beside_ms": _common(main, rest) / per,
-            "streams": [{"stream": s, "ms_per_step": sum(b - a for a, b in merged[s]) / per,
+    both = _common(main, rest)
+    busy = _length(main) + _length(rest) - both  # the union of every stream's spans
+    return {"device": device, "busy_ms": busy / per, "main_stream": order[0], "main_beside_ms": both / per,
+            "streams": [{"stream": s, "ms_per_step": _length(merged[s]) / per,
                          "events_per_step": sum(calls[s].values()) / steps,
                          "top": [{"name": n, "ms_per_step": t / per, "calls": calls[s][n]}
                                  for n, t in time_of[s].most_common(top)]} for s in order]}
