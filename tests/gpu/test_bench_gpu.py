@@ -14,6 +14,19 @@ from _bench_helpers import assert_png, runs_by_name, validate
 from conftest import ROOT, job_cmd, requires_gpus
 
 
+def visible(cards: str) -> dict[str, str]:
+    """This environment with CUDA_VISIBLE_DEVICES, `cards` where it is unset."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", cards)}
+
+
+def bench(args: list[str], *, cards: str = "0,1", timeout: int = 900) -> subprocess.CompletedProcess:
+    """`python -m job bench ARGS` on the cards of CUDA_VISIBLE_DEVICES (default `cards`); it must succeed."""
+    p = subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                       env=visible(cards))
+    assert p.returncode == 0, p.stdout + p.stderr
+    return p
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 @requires_gpus(2)
@@ -25,9 +38,7 @@ def test_bench_on_two_gpus(tmp_path):
     args = ["workload=lm", "workload.layers=2", "train.amp=bf16", "bench.warmup=5", "bench.steps=40",
             f"bench.out={out}", "strategies=[dp,ddp]", "bench.telemetry_overhead=true", "bench.repeats=1",
             "bench.scrape_interval_s=0.05"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}
-    p = subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    assert p.returncode == 0, p.stdout + p.stderr
+    bench(args)
     doc = json.loads((out / "bench.json").read_text())
     validate(doc, required=False)
     assert doc["device"] == "cuda" and doc["environment"]["driver"] and doc["environment"]["gpu_model"]
@@ -56,9 +67,7 @@ def test_maxbatch_with_a_tenant_on_two_gpus(tmp_path):
     args = ["bench.mode=maxbatch", "workload=lm", "workload.layers=2", "train.amp=bf16", "strategies=[dp,ddp]",
             f"bench.tenant_gb={tenant}", "bench.maxbatch_start=16", "bench.maxbatch_trials=8",
             "bench.maxbatch_precision=0.25", f"bench.out={out}"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}
-    p = subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=3000, env=env)
-    assert p.returncode == 0, p.stdout + p.stderr
+    p = bench(args, timeout=3000)
     doc = json.loads((out / "bench.json").read_text())
     validate(doc, required=False)
     assert doc["tenant"]["gb"] == tenant and f"held {tenant} GB on cuda:0 during every run" in p.stdout
@@ -69,7 +78,8 @@ def test_maxbatch_with_a_tenant_on_two_gpus(tmp_path):
         assert card0["nvml_used_bytes"] > tenant * 1e9  # NVML sees the tenant's memory on card 0
     # The tenant is gone when the bench is.
     free = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.mem_get_info(0)[0])"],
-                          capture_output=True, text=True, env=env, check=True, timeout=120).stdout
+                          capture_output=True, text=True, env=visible("0,1"), check=True,
+                          timeout=120).stdout
     assert int(free) > tenant * 1e9
     assert_png(out / "bench.png")
 
@@ -81,9 +91,7 @@ def test_profile_dp_on_two_gpus(tmp_path):
     out = tmp_path / "pg"
     args = ["bench.mode=profile", "strategies=[dp]", "workload=lm", "workload.layers=2", "train.amp=bf16",
             "bench.warmup=3", "bench.profile_steps=3", f"bench.out={out}"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0,1")}
-    p = subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    assert p.returncode == 0, p.stdout + p.stderr
+    bench(args)
     (prof,) = json.loads((out / "bench.json").read_text())["workloads"][0]["profiles"]
     phases = {ph["name"]: ph for ph in prof["phases"]}
     for name in ("scatter", "replicate", "parallel_apply", "gather", "loss", "backward", "optimizer"):
@@ -107,9 +115,7 @@ def test_profile_says_what_the_card_runs_beside_the_model(tmp_path):
             "train.batch_size=64", "data.kind=imagefolder", f"data.path={folder['path']}", "data.workers=2",
             "data.decode=gpu", "data.prefetch=true", "bench.warmup=5", "bench.profile_steps=5",
             "bench.profile_phases=false", f"bench.out={out}"]
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
-    p = subprocess.run(job_cmd("bench", *args), cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    assert p.returncode == 0, p.stdout + p.stderr
+    bench(args, cards="0")
     doc = json.loads((out / "bench.json").read_text())
     validate(doc, required=False)
     (prof,) = doc["workloads"][0]["profiles"]
