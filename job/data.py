@@ -37,7 +37,7 @@ from job import workload as wl
 from job.cardgaps import idle_share
 from job.datasets import BadImage, GpuSplit, SampleIndex  # noqa: F401  (BadImage: the data layer's one-line error)
 from job.errors import UsageError
-from job.handover import SPARE_SLOTS, HostSlots, SlotBatch, SlotCollate
+from job.handover import SPARE_SLOTS, HostSlots, PackedBatch, SlotBatch, SlotCollate
 
 log = logging.getLogger("job")
 SPLIT_SEED = 2_147_483_647  # the held-out choice of data.val_fraction: fixed, so train.seed does not move it
@@ -849,13 +849,13 @@ def usable_cores() -> int:
 
 
 def _through_slots(collate, move):
-    """(collate, move) that hand each (x, y) batch over in the worker's reusable slots (job.handover): the
-    worker stacks it into its next free slot; the training process copies it out (the DataLoader's pinning
-    thread on a GPU, `move` on the CPU) and hands the slot back."""
+    """(collate, move) that hand each (x, y) batch, and each batch that names its HANDOVER_TENSORS, over in the
+    worker's reusable slots (job.handover): the worker copies it into its next free slot; the training process
+    copies it out (the DataLoader's pinning thread on a GPU, `move` on the CPU) and hands the slot back."""
     slots = HostSlots()
 
     def move_slot(batch):
-        return move(slots.take(batch) if isinstance(batch, SlotBatch) else batch)
+        return move(slots.take(batch) if isinstance(batch, (SlotBatch, PackedBatch)) else batch)
 
     return SlotCollate(collate, PREFETCH_FACTOR + SPARE_SLOTS, slots.token), move_slot
 

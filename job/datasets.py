@@ -502,7 +502,10 @@ class EncodedBatch:
     each) cost the training process 128-148 ms of CPU a batch of 128, packed 3.6-5.3 ms (the hand-over
     `python -m job.bench.decoders` times, on the 2-core development machine).
 
-    `pin_memory` is what a DataLoader with pin_memory=True calls on it."""
+    `pin_memory` is what a DataLoader with pin_memory=True calls on it. From a worker, its HANDOVER_TENSORS
+    cross in the worker's reusable slots (job.handover), not in fresh shared-memory files."""
+
+    HANDOVER_TENSORS = ("data", "pixels", "rows", "jpeg_rows")
 
     def __init__(self, items: list):
         import torch

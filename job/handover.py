@@ -12,8 +12,14 @@ sharing then finds the mapping it already has: no page faults, no new file), cop
 pinned memory on a GPU, in the pinning thread; a tensor of its own on the CPU) and hands the slot back at
 once. The samples are the same as the default hand-over's.
 
-A slot holds one (x, y) pair of tensors; anything else a collate function returns (EncodedBatch, dicts, a
-batch of another shape than the first) crosses the default way.
+A slot holds one (x, y) pair of tensors. A batch whose first item names its large tensors (`HANDOVER_TENSORS`:
+job.datasets.EncodedBatch's JPEG bytes, the pixels the workers decoded, where each goes), with the labels as
+its second, crosses in a ring of byte slots instead, sized to the largest batch so far: those tensors and the
+labels are laid out in one slot, and the training process copies them out as it does a pair. Freeing the
+fresh shared-memory files of the default hand-over (unmapping them) holds the interpreter lock: py-spy on an
+H100 host found the pinning thread there 12 % of the time while it handed such batches over, in the time the
+model's kernels are launched. Anything else a collate function returns (dicts, a batch of another shape than
+the first) crosses the default way.
 
 Where the collate function is torch's default_collate, or says it collates (tensor, label) items as
 default_collate does (an attribute `default_collate_for_tensors = True`, as job.datasets.ImageFolder's), the
@@ -52,10 +58,10 @@ class SlotBatch:
         return len(self.x)
 
 
-class _Ring:
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, slots: int):
-        self.key = _key(x, y)
-        self.xs, self.ys = _slots_like(x, slots), _slots_like(y, slots)
+class _Slots:
+    """A worker's ring of `slots` slots: flags[j] is 1 while the training process has not copied slot j out."""
+
+    def __init__(self, slots: int):
         self.flags = torch.zeros(slots, dtype=torch.int32).share_memory_()
         self.next = 0
         self.parent = os.getppid()
@@ -72,6 +78,79 @@ class _Ring:
                 raise RuntimeError(f"data: the training process did not release a batch slot in {SLOT_WAIT_S:.0f} s")
             time.sleep(0.0002)
         return j
+
+
+class _Ring(_Slots):
+    """Slots for one (x, y) pair each, shaped and laid out as the ring's first batch."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, slots: int):
+        super().__init__(slots)
+        self.key = _key(x, y)
+        self.xs, self.ys = _slots_like(x, slots), _slots_like(y, slots)
+
+
+class _ByteRing(_Slots):
+    """Slots of `capacity` bytes each, for the tensors of a PackedBatch."""
+
+    def __init__(self, capacity: int, slots: int):
+        super().__init__(slots)
+        self.capacity = capacity
+        self.bufs = torch.empty((slots, capacity), dtype=torch.uint8).share_memory_()
+
+
+ALIGN = 64  # each tensor's bytes start at a multiple of this in its slot (any dtype can view them)
+GROWTH = 1.25  # a batch larger than the byte slots makes a new ring, this much larger, in whole MiB
+
+
+def _in_memory(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...] | None]:
+    """t's elements as they lie in memory (a contiguous view, or a contiguous copy where t is neither contiguous
+    nor channels-last), and the permutation that lays that out as t again (None: as it is)."""
+    if _channels_last(t):
+        return t.permute(0, 2, 3, 1), (0, 3, 1, 2)
+    return t.contiguous(), None
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _packed_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(_aligned(t.numel() * t.element_size()) for t in tensors)
+
+
+def _pack(tensors: list[torch.Tensor], slot: torch.Tensor) -> list[torch.Tensor]:
+    """Each of `tensors` copied into the uint8 `slot`, one after another; views of the slot laid out as they are."""
+    views, offset = [], 0
+    for t in tensors:
+        mem, perm = _in_memory(t)
+        n = mem.numel() * mem.element_size()
+        view = slot[offset:offset + n].view(mem.dtype).view(mem.shape)
+        view.copy_(mem)
+        views.append(view.permute(*perm) if perm else view)
+        offset += _aligned(n)
+    return views
+
+
+class PackedBatch:
+    """A collated (batch, y) pair whose batch's HANDOVER_TENSORS and labels y lie in slot j of a worker's byte
+    ring; flags[j] is 1 until the training process has its own copy of them."""
+
+    def __init__(self, batch, y: torch.Tensor, flags: torch.Tensor, j: int, token: int):
+        self.batch, self.y, self.flags, self.j, self.token = batch, y, flags, j, token
+
+    def pin_memory(self, device=None):
+        """What a DataLoader's pinning thread calls (on a GPU): (batch, y) copied into pinned memory, the slot
+        handed back."""
+        host = _HOSTS.get(self.token) or HostSlots()
+        return host.take(self, pinned=True)
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+
+def _packable(batch) -> bool:
+    return (isinstance(batch, (tuple, list)) and len(batch) == 2 and hasattr(type(batch[0]), "HANDOVER_TENSORS")
+            and torch.is_tensor(batch[1]) and batch[1].device.type == "cpu")
 
 
 def _channels_last(t: torch.Tensor) -> bool:
@@ -102,9 +181,10 @@ class SlotCollate:
     def __init__(self, collate, slots: int, token: int):
         self.collate, self.slots, self.token = collate, slots, token
         self._ring: _Ring | None = None
+        self._bytes: _ByteRing | None = None
 
-    def __getstate__(self):  # to spawned workers: each makes its own ring
-        return {**self.__dict__, "_ring": None}
+    def __getstate__(self):  # to spawned workers: each makes its own rings
+        return {**self.__dict__, "_ring": None, "_bytes": None}
 
     def __call__(self, items):
         from torch.utils.data import default_collate, get_worker_info
@@ -115,6 +195,8 @@ class SlotCollate:
             if stacked is not None:
                 return stacked
         batch = self.collate(items)
+        if worker and _packable(batch):
+            return self._packed(*batch)
         if not worker or not _pair(batch):
             return batch
         x, y = batch
@@ -132,6 +214,24 @@ class SlotCollate:
         write(ring.xs[j], ring.ys[j])
         ring.flags[j] = 1
         return SlotBatch(ring.xs[j], ring.ys[j], ring.flags, j, self.token)
+
+    def _packed(self, batch, y: torch.Tensor) -> PackedBatch:
+        """batch's HANDOVER_TENSORS (those that are tensors) and y, copied into the byte ring's next free slot;
+        batch holds views of it from then on. A batch larger than the slots makes a larger ring (the training
+        process keeps the old one mapped, as every ring it has seen)."""
+        names = [n for n in type(batch).HANDOVER_TENSORS if torch.is_tensor(getattr(batch, n, None))]
+        tensors = [getattr(batch, n) for n in names] + [y]
+        need = _packed_bytes(tensors)
+        if self._bytes is None or need > self._bytes.capacity:
+            mib = 1 << 20
+            self._bytes = _ByteRing(-(-int(need * GROWTH) // mib) * mib, self.slots)
+        ring = self._bytes
+        j = ring.slot()
+        views = _pack(tensors, ring.bufs[j])
+        for name, view in zip(names, views):
+            setattr(batch, name, view)
+        ring.flags[j] = 1
+        return PackedBatch(batch, views[-1], ring.flags, j, self.token)
 
     def _stacked(self, items) -> SlotBatch | None:
         """default_collate's batch of (tensor, int or tensor) items, stacked straight into the next slot (in
@@ -185,14 +285,29 @@ class HostSlots:
         self.token = next(_TOKENS)  # what its loader's SlotBatches carry, to find it from the pinning thread
         _HOSTS[self.token] = self
 
-    def take(self, batch: SlotBatch, *, pinned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        for t in (batch.x, batch.y, batch.flags):
+    def take(self, batch: SlotBatch | PackedBatch, *, pinned: bool = False) -> tuple:
+        """(x, y) of a SlotBatch, (batch, y) of a PackedBatch, in memory of their own (pinned, from the pinning
+        thread); the slot handed back."""
+        packed = isinstance(batch, PackedBatch)
+        for t in (batch.y, batch.flags) if packed else (batch.x, batch.y, batch.flags):
             storage = t.untyped_storage()
             if storage.data_ptr() not in self._rings:  # a ring seen for the first time: kept mapped from now on
                 self._rings[storage.data_ptr()] = torch.empty(0, dtype=torch.uint8).set_(storage)
-        x, y = (batch.x.pin_memory(), batch.y.pin_memory()) if pinned else (batch.x.clone(), batch.y.clone())
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t.pin_memory() if pinned and t.numel() else t.clone()  # either keeps t's layout
+
+        if packed:
+            out = batch.batch
+            for name in type(out).HANDOVER_TENSORS:
+                t = getattr(out, name, None)
+                if torch.is_tensor(t):
+                    setattr(out, name, own(t))
+            out = out, own(batch.y)
+        else:
+            out = own(batch.x), own(batch.y)
         batch.flags[batch.j] = 0
-        return x, y
+        return out
 
 
 _TOKENS = itertools.count(1)

@@ -304,7 +304,8 @@ def test_a_gpu_batch_of_large_images_is_decoded_in_calls_within_the_budget_with_
 def test_data_decode_autos_batches_of_pixels_cross_in_the_workers_slots(tmp_path, monkeypatch):
     """data.decode=auto before (or without) any JPEG on the card: each batch of pixels is stacked straight into
     its worker's slot (channels-last, as the crops are), and reaches the model as decode=cpu's batch from no
-    worker; once JPEGs go to the card, the mixed batch crosses the default way, the same samples."""
+    worker; once JPEGs go to the card, the mixed batch (JPEG bytes, pixels, rows, labels) crosses in the
+    worker's byte slots, the same samples."""
     from job.data import _loader
     from job.datasets import GpuSplit
     from job.handover import HostSlots
@@ -323,9 +324,9 @@ def test_data_decode_autos_batches_of_pixels_cross_in_the_workers_slots(tmp_path
         want_x, want_y = batch(cpu, ids)
         assert torch.equal(x, want_x) and torch.equal(y, want_y) and x.is_contiguous()
     taken.clear()
-    split.set(0, 0.5)  # half the JPEGs to the GPU path (run on the CPU here): EncodedBatches, the default way
+    split.set(0, 0.5)  # half the JPEGs to the GPU path (run on the CPU here): EncodedBatches, in byte slots
     got = list(_loader("t", auto, order, workers=2, device=CPU, channels_last=True, prefetch=False, persistent=True))
-    assert not taken
+    assert len(taken) == 8
     for (x, _), ids in zip(got, order):
         assert torch.equal(x, batch(cpu, ids)[0]) and x.is_contiguous(memory_format=torch.channels_last)
 

@@ -379,3 +379,71 @@ def test_samples_of_different_shapes_are_left_to_the_collate_and_make_no_slots(m
     with pytest.raises(RuntimeError, match="stack expects each tensor to be equal size"):
         collate([(torch.zeros(3, 4, 5), 0), (torch.zeros(3, 5, 5), 1)])
     assert collate._ring is None
+
+
+class Encoded:
+    """A batch that names its large tensors, as job.datasets.EncodedBatch does: bytes of a length that varies
+    with the batch (ids >= 60: over 2 MB, beyond the first ring's slots), channels-last pixels, an empty index,
+    a field that is None, and a plain list."""
+
+    HANDOVER_TENSORS = ("data", "pixels", "empty", "none")
+
+    def __init__(self, ids: list[int]):
+        self.ids = ids
+        self.data = torch.cat([torch.full((2_100_000 if i >= 60 else 1000 + i,), i % 251, dtype=torch.uint8)
+                               for i in ids])
+        self.pixels = torch.stack([torch.full((4, 5, 3), float(i)) for i in ids]).permute(0, 3, 1, 2)
+        self.empty, self.none = torch.zeros(0, dtype=torch.long), None
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+class EncodedIds(Ids):
+    """A dataset whose collate makes (Encoded, labels) and whose to_device keeps what crossed."""
+
+    def __init__(self):
+        super().__init__()
+        self.crossed: list = []
+
+    def collate(self, items):
+        return Encoded([y for _, y in items]), torch.tensor([y for _, y in items])
+
+    def to_device(self, batch, device):
+        self.crossed.append(batch)
+        encoded, y = batch
+        return encoded.pixels.to(device), y.to(device)
+
+
+def test_a_batch_that_names_its_large_tensors_crosses_in_byte_slots_as_it_was_made(monkeypatch):
+    """Every batch kept is the one the worker made (bytes, channels-last pixels, labels; an empty index and a
+    None field as they were), though the slots are reused and a larger batch makes a larger ring; every batch
+    through a slot, the training process's copies its own."""
+    hosts: list = []
+    taken = _spy(monkeypatch, hosts)
+    ds = EncodedIds()
+    order = _batches(12)  # batch 10 holds ids 60-65: the rings grow
+    got = list(_loader("t", ds, order, workers=2, device=CPU, channels_last=False, prefetch=False, persistent=True))
+    assert len(got) == 12 and len(taken) == 12
+    assert len(hosts) == 1 and len(hosts[0]._rings) > 2 * 2  # each worker's flags and bytes, then larger bytes
+    for (encoded, y), ids in zip(ds.crossed, order):
+        want = Encoded(ids)
+        assert encoded.ids == ids and torch.equal(y, torch.tensor(ids))
+        assert torch.equal(encoded.data, want.data) and torch.equal(encoded.pixels, want.pixels)
+        assert encoded.pixels.is_contiguous(memory_format=torch.channels_last)
+        assert encoded.empty.numel() == 0 and encoded.empty.dtype == torch.long and encoded.none is None
+        ring = encoded.data.untyped_storage().data_ptr()
+        assert all(ring != r for r in hosts[0]._rings)  # a copy of its own, not the slot
+
+
+def test_the_byte_slots_hand_back_at_once_and_grow_past_a_larger_batch(monkeypatch):
+    _in_a_worker(monkeypatch)
+    collate = SlotCollate(EncodedIds().collate, slots=2, token=0)
+    small = collate([(None, i) for i in range(3)])
+    assert isinstance(small, handover.PackedBatch) and collate._bytes.capacity == 1 << 20
+    slots = HostSlots()
+    encoded, y = slots.take(small)
+    assert int(small.flags[small.j]) == 0 and torch.equal(y, torch.tensor([0, 1, 2]))
+    big = collate([(None, i) for i in (60, 61)])  # 4.2 MB: a new ring, 1.25 x that in whole MiB
+    assert collate._bytes.capacity == 6 << 20 and torch.equal(big.batch.data, Encoded([60, 61]).data)
+    assert torch.equal(encoded.data, Encoded([0, 1, 2]).data)  # the first batch's copy is untouched
