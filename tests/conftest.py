@@ -26,7 +26,12 @@ from pathlib import Path
 
 import pytest
 
+from job.devices import CONNECTIONS, CONNECTIONS_VAR
+
 ROOT = Path(__file__).resolve().parent.parent
+# Tests that start CUDA in their own process start it as `python -m job` does (job.devices.prepare_environment):
+# with that many hardware queues a card, which decides whether another stream's work waits behind queued kernels.
+os.environ.setdefault(CONNECTIONS_VAR, CONNECTIONS)
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 

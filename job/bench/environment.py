@@ -153,7 +153,9 @@ def environment(results: list[dict]) -> dict[str, Any]:
         "cudnn": cudnn, "nccl": _nccl_version(), "torchvision": _torchvision_version(),
         "driver": driver, "cuda_driver": cuda_driver,
         "gpu_model": ", ".join(sorted({g["name"] for g in gpu_list})) or None, "gpus": gpu_list,
-        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "commit": commit, "commit_dirty": dirty,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),  # the runs' (job.devices)
+        "commit": commit, "commit_dirty": dirty,
         "code": code_fingerprint(),
     }
 

@@ -167,7 +167,8 @@ ENV_SCHEMA = _obj({
     "nccl": _nullable(_STR), "torchvision": _nullable(_STR),
     "driver": _nullable(_STR), "cuda_driver": _nullable(_STR), "gpu_model": _nullable(_STR),
     "gpus": _array(_obj({"name": _STR, "uuid": _STR, "pci_bus_id": _STR, "memory_total_bytes": _nullable(_INT)})),
-    "cuda_visible_devices": _nullable(_STR), "commit": _nullable(_STR), "commit_dirty": _nullable(_BOOL),
+    "cuda_visible_devices": _nullable(_STR), "cuda_device_max_connections": _nullable(_STR),
+    "commit": _nullable(_STR), "commit_dirty": _nullable(_BOOL),
     "code": _STR,
 })
 RESULT_SCHEMA = {

@@ -107,25 +107,41 @@ def test_decoded_images_are_not_overwritten_before_their_crops_read_them(tmp_pat
 
 
 @requires_gpus(1)
-def test_memory_a_queued_kernel_still_writes_is_not_given_to_nvjpeg(tmp_path):
+def test_memory_a_queued_kernel_still_writes_is_not_given_to_nvjpeg(tmp_path, monkeypatch):
     """The model's own memory: blocks freed on the calling stream while a kernel queued there still writes them
     must not take nvJPEG's output, which nvJPEG writes at once on a stream of its own. Blocks the size of each
-    decoded image are freed behind a long kernel and a fill of 255; the batch decoded then is what it is decoded
-    alone. (Written for a compiled ResNet-50 that trained to NaN within 20 steps with data.prefetch=false; on an
-    H100 it passed with the code before that fix too, so it guards the property, not that run: the bench does.)"""
+    decoded image are freed behind a long kernel and a fill of 255; then a decode. Its images are in none of
+    those blocks, and the batch is what it is decoded alone. (Written for a compiled ResNet-50 that trained to
+    NaN within 20 steps with data.prefetch=false. On an H100, the code before that fix put all 16 images in the
+    freed blocks, yet the pixels matched: at CUDA's default of 8 hardware queues nvJPEG's work waited behind the
+    fills; the pointers are what tells the two apart.)"""
+    import torchvision.io
+
     folder = image_folder(tmp_path / "imgs", 16, seed=7)
     gpu = ImageFolder(folder["path"], image_size=224, num_classes=10, augment=False, decode="gpu")
     cuda = torch.device("cuda", 0)
     raw = gpu.collate([gpu[SampleIndex(i, i, 0)] for i in range(16)])[0].pin_memory()
     want = raw.decode(cuda, 224).clone()
     torch.cuda.synchronize()
+    decoded, decode_jpeg = [], torchvision.io.decode_jpeg
+
+    def spy(*args, **kwargs):  # job.datasets imports decode_jpeg from torchvision.io at each call
+        images = decode_jpeg(*args, **kwargs)
+        decoded.extend((x.data_ptr(), x.data_ptr() + x.numel() * x.element_size()) for x in images)
+        return images
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", spy)
     torch.cuda._sleep(2_000_000_000)  # about a second of the calling stream: the fills wait behind it
     held = [torch.empty(n, dtype=torch.uint8, device=cuda) for n in raw.decoded]
+    freed = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in held]
     for t in held:
         t.fill_(255)
     del held, t  # freed with their fills still queued
     got = raw.decode(cuda, 224)
     torch.cuda.synchronize()
+    assert len(decoded) == 16
+    inside = [(a, b) for a, b in decoded if any(a < d and c < b for c, d in freed)]
+    assert not inside, f"{len(inside)} of 16 decoded images in memory freed behind a queued kernel"
     assert torch.equal(got, want)
 
 

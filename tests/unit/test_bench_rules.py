@@ -254,7 +254,7 @@ def _env() -> dict:
             "nccl": "2.27.3", "torchvision": "0.29.1", "driver": "570.1", "cuda_driver": "12.8",
             "gpu_model": "NVIDIA H200", "gpus": [{"name": "NVIDIA H200", "uuid": "GPU-1", "pci_bus_id": "00000000:18:00.0",
                                                    "memory_total_bytes": 150 * 1024**3}],
-            "cuda_visible_devices": None, "commit": "0" * 40, "commit_dirty": False, "code": "0123456789ab"}
+            "cuda_visible_devices": None, "cuda_device_max_connections": "32", "commit": "0" * 40, "commit_dirty": False, "code": "0123456789ab"}
 
 
 def _settings(**kw) -> dict:

@@ -116,7 +116,7 @@ def test_resolve_rejects(scrambled, value, needle):
 def test_prepare_environment_sets_pci_order_and_validates(scrambled, caplog):
     env = {}
     devices.prepare_environment(env, nvml=scrambled)
-    assert env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_DEVICE_MAX_CONNECTIONS": "32"}
 
     env = {"CUDA_DEVICE_ORDER": "FASTEST_FIRST", "CUDA_VISIBLE_DEVICES": "1,0"}
     with caplog.at_level(logging.WARNING, logger="job.devices"):
@@ -141,6 +141,22 @@ def test_prepare_environment_without_driver_checks_syntax_only():
         devices.prepare_environment({"CUDA_VISIBLE_DEVICES": "first"})
 
 
+def test_prepare_environment_gives_the_card_32_hardware_queues_unless_the_user_chose():
+    """CUDA_DEVICE_MAX_CONNECTIONS: 32 where unset (nvJPEG's streams and ours then wait behind none of the model's
+    queued kernels), the user's own value kept, a value CUDA does not take refused in one line."""
+    env = {}
+    devices.prepare_environment(env)
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "32"
+    env = {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    devices.prepare_environment(env)
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    for bad in ("0", "33", "eight", ""):
+        with pytest.raises(UsageError) as e:
+            devices.prepare_environment({"CUDA_DEVICE_MAX_CONNECTIONS": bad})
+        assert str(e.value) == (f"CUDA_DEVICE_MAX_CONNECTIONS={bad!r}: CUDA takes a whole number from 1 to 32 "
+                                "(hardware queues a card; unset, the job uses 32)")
+
+
 def test_cli_reports_bad_visible_devices_in_one_line():
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0,0"}
     p = subprocess.run([sys.executable, "-m", "job", "train", "train.steps=1"], cwd=ROOT, env=env,
@@ -155,6 +171,7 @@ def test_assert_cuda_env_unchanged_is_quiet_before_cuda(monkeypatch):
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # restored afterwards
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     devices.prepare_environment(nvml=_nvml([FakeCard(A, "00000000:18:00.0")]))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert not torch.cuda.is_initialized()
