@@ -275,14 +275,19 @@ class EpochOrder:
         self._epoch, self._perm = -1, None
 
     def __call__(self, ids: range) -> list[SampleIndex]:
-        n = len(self.indices)
-        out = []
-        for i in ids:
+        """The samples `ids` (consecutive), one slice of each epoch's permutation read at once: read element by
+        element (a tensor index each) it took the training thread 0.54 ms a batch of 256, under the interpreter
+        lock the model's launches need."""
+        n, out, i = len(self.indices), [], ids.start
+        while i < ids.stop:
             e = i // n
             if e != self._epoch:
                 self._epoch = e
                 self._perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 1000003 + e))
-            out.append(SampleIndex(self.indices[int(self._perm[i % n])], i, self.seed))
+            end = min(ids.stop, (e + 1) * n)
+            out += [SampleIndex(self.indices[k], j, self.seed)
+                    for j, k in zip(range(i, end), self._perm[i - e * n:end - e * n].tolist())]
+            i = end
         return out
 
 

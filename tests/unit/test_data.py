@@ -44,6 +44,30 @@ def test_each_epoch_visits_every_item_once_in_its_own_seeded_order():
     assert [int(s) for s in data.EpochOrder(items, seed=4)(range(7))] != [int(s) for s in first]
 
 
+def test_an_epochs_slice_read_at_once_gives_each_id_the_item_its_permutation_does():
+    """EpochOrder reads a whole slice of an epoch's permutation at once: each sample id still gets item
+    indices[perm_e[id % n]] of its epoch e's seeded permutation, for ranges within an epoch, across one or more
+    epoch ends, and asked for out of order."""
+    import random
+
+    import torch
+
+    items = list(range(100, 113))
+    n = len(items)
+
+    def item(i: int, seed: int) -> int:
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000003 + i // n))
+        return items[int(perm[i % n])]
+
+    order, rng = data.EpochOrder(items, seed=5), random.Random(0)
+    for _ in range(40):
+        start = rng.randrange(0, 6 * n)
+        ids = range(start, start + rng.randrange(0, 3 * n))
+        got = order(ids)
+        assert [int(s) for s in got] == [item(i, 5) for i in ids]
+        assert [s.sample_id for s in got] == list(ids) and {s.seed for s in got} <= {5}
+
+
 def test_the_batch_sampler_resumed_at_a_position_yields_the_rest_of_the_stream():
     items = list(range(20))
 
