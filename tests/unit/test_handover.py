@@ -447,3 +447,28 @@ def test_the_byte_slots_hand_back_at_once_and_grow_past_a_larger_batch(monkeypat
     big = collate([(None, i) for i in (60, 61)])  # 4.2 MB: a new ring, 1.25 x that in whole MiB
     assert collate._bytes.capacity == 6 << 20 and torch.equal(big.batch.data, Encoded([60, 61]).data)
     assert torch.equal(encoded.data, Encoded([0, 1, 2]).data)  # the first batch's copy is untouched
+
+
+def test_the_pinning_thread_pins_every_tensor_of_a_packed_batch_and_hands_its_slot_back(monkeypatch):
+    """What the DataLoader's pinning thread calls on a GPU run (PackedBatch.pin_memory), with Tensor.pin_memory
+    stood in for (no CUDA here): every non-empty tensor of the batch and the labels pinned, in their layouts,
+    the slot handed back to its worker, through the loader's HostSlots found by token."""
+    pinned = []
+
+    def pin_memory(t, device=None):
+        copy = t.clone()
+        pinned.append(copy)
+        return copy
+
+    _in_a_worker(monkeypatch)
+    collate = SlotCollate(EncodedIds().collate, slots=2, token=0)
+    packed = collate([(None, i) for i in range(4)])
+    host = HostSlots()
+    packed.token = host.token
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    encoded, y = packed.pin_memory()
+    assert int(packed.flags[packed.j]) == 0 and host._rings
+    assert all(any(t is p for p in pinned) for t in (encoded.data, encoded.pixels, y))
+    assert not any(encoded.empty is p for p in pinned) and encoded.none is None  # empty: copied, not pinned
+    assert encoded.pixels.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(encoded.data, Encoded([0, 1, 2, 3]).data) and torch.equal(y, torch.arange(4))
