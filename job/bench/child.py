@@ -77,19 +77,32 @@ def timed_throughput(records: list[dict], *, warmup: int, total: int, batch: int
     return (total - warmup) * batch / dt if dt > 0 else None
 
 
-def input_throughput(records: list[dict], *, warmup: int, total: int, trained: float) -> float | None:
-    """Samples/s the run's input pipeline made over the same records' window, on the scale of `trained` (the
-    timed samples/s): `trained` x samples rank 0's DataLoader workers made / samples its loop took in it
-    (job.data.Stream). None where the run has no workers' counts (synthetic data, data.workers=0).
+def input_throughput(records: list[dict], *, warmup: int, total: int, batch: int) -> float | None:
+    """Samples/s the run's input pipeline made over the later half of the records' window (from the first
+    record at or past its middle), on the scale of the timed samples/s: the rate the loop trained at in that
+    half x samples rank 0's DataLoader workers made / samples its loop took in it (job.data.Stream). None
+    where the run has no workers' counts (synthetic data, data.workers=0).
 
-    Below `trained`, the timed steps drew on batches the workers had read ahead before the window (during
-    start-up they fill data.workers x 2 batches while the loop waits for its first step): a rate the run
-    does not sustain."""
+    Below the trained rate, the timed steps drew on batches the workers had read ahead (during start-up they
+    fill data.workers x 2 batches while the loop waits for its first step): a rate the run does not
+    sustain. Why the later half: workers that keep up still draw the read-ahead down after the first step,
+    until the batches asked for since come back (a worker's batch, and the one queued before it, later:
+    0.5-1 s of 256 ImageNet-sized files on slow cores, 10-20 steps of compiled ResNet-50), so a window that
+    starts within that time reads them short (a model of the pipeline: 2.7 % at 0.7 s a batch,
+    docs/results/dev-2026-12-06-read-ahead); by the later half the read-ahead has settled where they keep
+    up, and still falls where they do not. A window without a record in between is read whole."""
     a, b = _edges(records, warmup, total)
     if a is None or b is None or a.get("data_made") is None or b.get("data_made") is None:
         return None
+    middle = warmup + (total - warmup) // 2
+    later = [r for r in records if middle <= (r.get("step") or 0) < total and r.get("data_made") is not None]
+    if later:
+        a = min(later, key=lambda r: r["step"])
     taken = int(b["data_taken"]) - int(a["data_taken"])
-    return trained * (int(b["data_made"]) - int(a["data_made"])) / taken if taken > 0 else None
+    dt = float(b["time"]) - float(a["time"])
+    if taken <= 0 or dt <= 0:
+        return None
+    return (total - int(a["step"])) * batch / dt * (int(b["data_made"]) - int(a["data_made"])) / taken
 
 
 def input_cores(records: list[dict], *, warmup: int, total: int) -> float | None:
@@ -306,7 +319,7 @@ class Runs:
         sps = timed_throughput(records, warmup=warmup, total=total, batch=row["batch_size"])
         if sps is None:
             raise ValueError(f"metrics.jsonl has no records for steps {warmup} and {total}")
-        made = input_throughput(records, warmup=warmup, total=total, trained=sps)
+        made = input_throughput(records, warmup=warmup, total=total, batch=row["batch_size"])
         trained, sps = sps, min(sps, made) if made is not None else sps  # what the run sustains
         k = config_mod.workload_of(child_cfg).workload.units(config_mod.workload_settings(child_cfg))
         kinds = {(b["rank"], b["device"]): b["kinds"] for b in summary.get("memory_breakdown", [])}

@@ -133,12 +133,33 @@ def test_input_throughput_is_what_the_workers_made_in_the_window():
     recs = [{"step": 2, "time": 100.0, "data_made": 640, "data_taken": 64},
             {"step": 10, "time": 104.0, "data_made": 832, "data_taken": 320}]
     trained = bench.timed_throughput(recs, warmup=2, total=10, batch=32)
-    assert bench.input_throughput(recs, warmup=2, total=10, trained=trained) == pytest.approx(trained * 192 / 256)
+    assert bench.input_throughput(recs, warmup=2, total=10, batch=32) == pytest.approx(trained * 192 / 256)
     filled = [dict(recs[0]), {**recs[1], "data_made": 1000}]  # the workers made more than was taken: a refill
-    assert bench.input_throughput(filled, warmup=2, total=10, trained=trained) > trained
+    assert bench.input_throughput(filled, warmup=2, total=10, batch=32) > trained
     synthetic = [{**r, "data_made": None, "data_taken": None} for r in recs]
-    assert bench.input_throughput(synthetic, warmup=2, total=10, trained=trained) is None
-    assert bench.input_throughput([{"step": 2, "time": 1.0}, recs[1]], warmup=2, total=10, trained=trained) is None
+    assert bench.input_throughput(synthetic, warmup=2, total=10, batch=32) is None
+    assert bench.input_throughput([{"step": 2, "time": 1.0}, recs[1]], warmup=2, total=10, batch=32) is None
+
+
+def _records(ready: list[int], *, batch: int = 32, every: int = 10, step_s: float = 0.05) -> list[dict]:
+    """Log records every `every` steps of a loop taking one batch a step at `step_s` a step, with `ready`
+    batches made and not yet taken at each record (the read-ahead)."""
+    return [{"step": i * every, "time": 100.0 + i * every * step_s, "data_taken": i * every * batch,
+             "data_made": (i * every + n) * batch} for i, n in enumerate(ready)]
+
+
+def test_input_throughput_reads_the_later_half_where_the_read_ahead_settles():
+    """Workers that keep up still draw the read-ahead down after the first step, until the batches asked for
+    since come back (here 22 ready at step 10, 18 from step 30 on, as in a loop of 16 workers at 0.7 s a
+    batch, prefetch 2, against 48 ms a step): read over the whole window that is 4 batches short, 2.7 %; over
+    its later half nothing is, so the row shows the trained rate. Workers that do not keep up draw it down
+    in the later half too (1 batch every 10 steps) and still read short."""
+    keep_up = _records([30, 22, 20, 18] + [18] * 13)  # steps 0-160
+    trained = bench.timed_throughput(keep_up, warmup=10, total=160, batch=32)
+    assert bench.input_throughput(keep_up, warmup=10, total=160, batch=32) == pytest.approx(trained)
+    behind = _records([30, 22, 20, 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5])
+    made = bench.input_throughput(behind, warmup=10, total=160, batch=32)
+    assert made == pytest.approx(trained * 63 / 70)  # from step 90, the first record past 85: 70 taken, 63 made
 
 
 def test_input_cores_are_the_workers_cpu_seconds_over_the_window():
