@@ -148,6 +148,11 @@ class PackedBatch:
         return len(self.y)
 
 
+def _handover_names(batch) -> list[str]:
+    """The names in type(batch).HANDOVER_TENSORS that hold a tensor on this batch (a field may be None)."""
+    return [n for n in type(batch).HANDOVER_TENSORS if torch.is_tensor(getattr(batch, n, None))]
+
+
 def _packable(batch) -> bool:
     return (isinstance(batch, (tuple, list)) and len(batch) == 2 and hasattr(type(batch[0]), "HANDOVER_TENSORS")
             and torch.is_tensor(batch[1]) and batch[1].device.type == "cpu")
@@ -219,7 +224,7 @@ class SlotCollate:
         """batch's HANDOVER_TENSORS (those that are tensors) and y, copied into the byte ring's next free slot;
         batch holds views of it from then on. A batch larger than the slots makes a larger ring (the training
         process keeps the old one mapped, as every ring it has seen)."""
-        names = [n for n in type(batch).HANDOVER_TENSORS if torch.is_tensor(getattr(batch, n, None))]
+        names = _handover_names(batch)
         tensors = [getattr(batch, n) for n in names] + [y]
         need = _packed_bytes(tensors)
         if self._bytes is None or need > self._bytes.capacity:
@@ -299,10 +304,8 @@ class HostSlots:
 
         if packed:
             out = batch.batch
-            for name in type(out).HANDOVER_TENSORS:
-                t = getattr(out, name, None)
-                if torch.is_tensor(t):
-                    setattr(out, name, own(t))
+            for name in _handover_names(out):
+                setattr(out, name, own(getattr(out, name)))
             out = out, own(batch.y)
         else:
             out = own(batch.x), own(batch.y)

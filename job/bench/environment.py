@@ -128,6 +128,7 @@ def _torchvision_version() -> str | None:
 def environment(results: list[dict]) -> dict[str, Any]:
     import torch
 
+    from job import devices
     from job.data import usable_cpus
 
     cmd = sys.argv[1:] if sys.argv and sys.argv[0].endswith("__main__.py") else None
@@ -154,7 +155,7 @@ def environment(results: list[dict]) -> dict[str, Any]:
         "driver": driver, "cuda_driver": cuda_driver,
         "gpu_model": ", ".join(sorted({g["name"] for g in gpu_list})) or None, "gpus": gpu_list,
         "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-        "cuda_device_max_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS"),  # the runs' (job.devices)
+        "cuda_device_max_connections": os.environ.get(devices.CONNECTIONS_VAR),  # the runs' (job.devices)
         "commit": commit, "commit_dirty": dirty,
         "code": code_fingerprint(),
     }
