@@ -90,7 +90,8 @@ def input_throughput(records: list[dict], *, warmup: int, total: int, batch: int
     0.5-1 s of 256 ImageNet-sized files on slow cores, 10-20 steps of compiled ResNet-50), so a window that
     starts within that time reads them short (a model of the pipeline: 2.7 % at 0.7 s a batch,
     docs/results/dev-2026-12-06-read-ahead); by the later half the read-ahead has settled where they keep
-    up, and still falls where they do not. A window without a record in between is read whole."""
+    up (read within one batch either way: one finished just before or after a record), and still falls
+    where they do not. A window without a record in between is read whole."""
     a, b = _edges(records, warmup, total)
     if a is None or b is None or a.get("data_made") is None or b.get("data_made") is None:
         return None
