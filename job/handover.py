@@ -41,18 +41,22 @@ SPARE_SLOTS = 2  # beyond the DataLoader's prefetch_factor: the batch being copi
 SLOT_WAIT_S = 600.0  # a worker waiting this long for a slot the training process never released gives up
 
 
-class SlotBatch:
-    """A collated (x, y) batch in slot j of a worker's ring; flags[j] is 1 until the training process has
-    its own copy of it."""
-
-    def __init__(self, x: torch.Tensor, y: torch.Tensor, flags: torch.Tensor, j: int, token: int):
-        self.x, self.y, self.flags, self.j, self.token = x, y, flags, j, token
+class _InSlot:
+    """A collated batch in slot j of a worker's ring (flags[j] is 1 until the training process has its own copy
+    of it), from the loader whose HostSlots carries `token`."""
 
     def pin_memory(self, device=None):
         """What a DataLoader's pinning thread calls (on a GPU): the batch copied into pinned memory, its
         slot handed back."""
         host = _HOSTS.get(self.token) or HostSlots()  # the loader's (gone: a throw-away one)
         return host.take(self, pinned=True)
+
+
+class SlotBatch(_InSlot):
+    """A collated (x, y) batch in slot j of a worker's (x, y) ring."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor, flags: torch.Tensor, j: int, token: int):
+        self.x, self.y, self.flags, self.j, self.token = x, y, flags, j, token
 
     def __len__(self) -> int:
         return len(self.x)
@@ -131,18 +135,12 @@ def _pack(tensors: list[torch.Tensor], slot: torch.Tensor) -> list[torch.Tensor]
     return views
 
 
-class PackedBatch:
+class PackedBatch(_InSlot):
     """A collated (batch, y) pair whose batch's HANDOVER_TENSORS and labels y lie in slot j of a worker's byte
-    ring; flags[j] is 1 until the training process has its own copy of them."""
+    ring."""
 
     def __init__(self, batch, y: torch.Tensor, flags: torch.Tensor, j: int, token: int):
         self.batch, self.y, self.flags, self.j, self.token = batch, y, flags, j, token
-
-    def pin_memory(self, device=None):
-        """What a DataLoader's pinning thread calls (on a GPU): (batch, y) copied into pinned memory, the slot
-        handed back."""
-        host = _HOSTS.get(self.token) or HostSlots()
-        return host.take(self, pinned=True)
 
     def __len__(self) -> int:
         return len(self.y)
