@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from _ports import free_port_block
 from conftest import ROOT, need_binary
 
 HINT = "apt-get install slurmctld slurmd slurm-client munge (.ci/setup.d/30-slurm.sh)"
@@ -60,26 +59,6 @@ class Cluster:
         for log in sorted((self.dir / "log").glob("*.log")):
             out.append(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:]))
         return "\n".join(out)
-
-
-def _ports_free(first: int, n: int) -> bool:
-    for port in range(first, first + n):
-        with closing(socket.socket()) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
-
-
-def free_port_block(n: int) -> int:
-    for _ in range(50):
-        with closing(socket.socket()) as s:
-            s.bind(("127.0.0.1", 0))
-            first = s.getsockname()[1]
-        if first + n < 65535 and _ports_free(first, n):
-            return first
-    raise RuntimeError(f"no block of {n} free ports on 127.0.0.1")
 
 
 def start_cluster(nodes: int, gpus: int = 2) -> Cluster:

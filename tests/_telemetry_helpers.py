@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import time
 import urllib.request
 
+from _ports import free_port  # noqa: F401  (re-exported: the telemetry tests take it from here)
 from prometheus_client.parser import text_string_to_metric_families
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get(url: str, timeout: float = 5.0) -> tuple[int, str]:

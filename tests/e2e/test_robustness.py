@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _ports import free_port
 from conftest import IN_CI, ROOT, job_cmd
 
 from job.checkpoint import PATTERN
@@ -531,9 +532,7 @@ def test_undecodable_image_mid_run_stops_with_a_checkpoint_and_resumes_exactly(t
 def _two_ranks(cmds: list[list[str]], cwds: list[Path], env: dict, *, timeout: float):
     """Start ranks 0 and 1 of a gloo group by hand, as torchrun would (RANK, WORLD_SIZE, a free
     MASTER_PORT), each with its command and working directory; wait for both (killed at the end if left)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     procs = []
     for rank, (cmd, cwd) in enumerate(zip(cmds, cwds, strict=True)):
         renv = {**env, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",

@@ -10,24 +10,18 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+from _ports import free_port
 from conftest import ROOT
 
 from job import torchrun
 
 TINY = ["workload=tiny", "workload.width=8", "workload.image_size=16", "train.batch_size=8", "train.log_every=1",
         "strategy=ddp", "train.device=cpu"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launcher(tmp_path, *train_args: str) -> list[str]:

@@ -34,6 +34,7 @@ import pytest
 import yaml
 
 from tests._dashboards_helpers import TRAINING, evaluate_live
+from tests._ports import free_port
 from tests.conftest import IN_CI, ROOT, need_binary
 
 COMPOSE_FILES = ["-f", "docker-compose.yml", "-f", "docker-compose.ci.yml"]
@@ -491,12 +492,6 @@ def standin(engine):
     print(f"stand-in images ready in {time.monotonic() - t0:.0f} s:\n{out.stderr}")
     base, prom = out.stdout.split()[-2:]
     return base, prom
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_in_use(port: int) -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -20,17 +19,12 @@ from pathlib import Path
 import pytest
 
 from tests._k8s_helpers import K8S, LocalPod, dockerfile_entrypoint, load_docs, one, pod_templates
+from tests._ports import free_port
 
 JOB = K8S / "job.yaml"
 # The image's ENTRYPOINT (tests/infra/test_k8s.py pins it to the Dockerfile's once that exists).
 ENTRYPOINT = dockerfile_entrypoint() or ["python", "-m", "job"]
 CPU_OVERRIDE = ["workload=tiny", "train.batch_size=8", "train.log_every=1"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def job_pod(root: Path, pod_name: str) -> tuple[LocalPod, dict]:
