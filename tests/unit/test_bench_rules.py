@@ -321,6 +321,32 @@ def test_the_table_says_what_the_generated_image_files_are(side, said):
     assert f"\nimagefolder: 5000 generated JPEG files {said} in /r/bench-images\n" in bench.table(doc, w) + "\n"
 
 
+@pytest.mark.parametrize("device, start, said", [
+    ("cuda", 10, "the imagefolder rows' timed steps start 0.0 passes over the files in (a pass is 312.5 steps)"),
+    ("cuda", 900, "the imagefolder rows' timed steps start 2.9 passes over the files in (a pass is 312.5 steps)"),
+    ("cuda", 938, None),  # 3 passes of 312.5 steps before the timed ones
+    ("cpu", 10, None)])
+def test_the_table_says_when_the_files_rows_are_timed_in_their_first_passes(device, start, said):
+    doc = _gpu_doc()
+    doc["device"] = device
+    w = doc["workloads"][0]
+    w["imagefolder"] = {"path": "/r/bench-images", "images": 5000, "classes": 10, "short_side": 0,
+                        "bytes": 5000 * 108_000, "generated_s": None}
+    rows = [r for r in w["runs"] if r["status"] == "ok"]
+    for r in rows:
+        r["peak_window"] = [start, start + 50]
+    rows[0]["data"] = "imagefolder"
+    text = bench.table(doc, w)
+    lines = [x for x in text.splitlines() if x.startswith("the imagefolder rows' timed steps")]
+    if said is None:
+        assert lines == [], lines
+        return
+    (line,) = lines
+    assert line.startswith(said) and "docs/benchmarks.md" in line, line
+    # The warm-up it names starts the timed steps at 938 = ceil(3 x 312.5), whatever bench.warmup was (10 here).
+    assert line.endswith(f"bench.warmup={10 + 938 - start} or more starts them after 3 passes"), line
+
+
 def test_gpu_shaped_results_table_and_chart(tmp_path):
     doc = _gpu_doc()
     validate(doc)
