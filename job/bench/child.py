@@ -91,19 +91,26 @@ def input_throughput(records: list[dict], *, warmup: int, total: int, batch: int
     starts within that time reads them short (a model of the pipeline: 2.7 % at 0.7 s a batch,
     docs/results/dev-2026-12-06-read-ahead); by the later half the read-ahead has settled where they keep
     up (read within one batch either way: one finished just before or after a record), and still falls
-    where they do not. A window without a record in between is read whole."""
+    where they do not. A window without a record in between is read whole, and so is one whose later half
+    saw the workers make nothing (they had made every batch the run asks for, as from a file holding just
+    those steps' samples; or a window of a step or two); where they made nothing in the whole window there
+    is no figure (None), never a rate of 0."""
     a, b = _edges(records, warmup, total)
     if a is None or b is None or a.get("data_made") is None or b.get("data_made") is None:
         return None
+
+    def since(start: dict) -> float | None:
+        taken = int(b["data_taken"]) - int(start["data_taken"])
+        made = int(b["data_made"]) - int(start["data_made"])
+        dt = float(b["time"]) - float(start["time"])
+        if taken <= 0 or made <= 0 or dt <= 0:
+            return None
+        return (total - int(start["step"])) * batch / dt * made / taken
+
     middle = warmup + (total - warmup) // 2
     later = [r for r in records if middle <= (r.get("step") or 0) < total and r.get("data_made") is not None]
-    if later:
-        a = min(later, key=lambda r: r["step"])
-    taken = int(b["data_taken"]) - int(a["data_taken"])
-    dt = float(b["time"]) - float(a["time"])
-    if taken <= 0 or dt <= 0:
-        return None
-    return (total - int(a["step"])) * batch / dt * (int(b["data_made"]) - int(a["data_made"])) / taken
+    made = since(min(later, key=lambda r: r["step"])) if later else None
+    return made if made is not None else since(a)
 
 
 def input_cores(records: list[dict], *, warmup: int, total: int) -> float | None:

@@ -162,6 +162,19 @@ def test_input_throughput_reads_the_later_half_where_the_read_ahead_settles():
     assert made == pytest.approx(trained * 63 / 70)  # from step 90, the first record past 85: 70 taken, 63 made
 
 
+def test_input_throughput_is_never_zero_where_the_workers_had_made_every_batch():
+    """A file holding just the run's samples: the workers made the last batch before the later half began (a
+    CI run of the token rows divided by the 0 it read there). That half is read whole instead; a window in
+    which they made nothing at all has no figure, and the row then shows what it trained."""
+    recs = [{"step": 1, "time": 100.0, "data_made": 24, "data_taken": 8},
+            {"step": 2, "time": 100.1, "data_made": 32, "data_taken": 16},
+            {"step": 3, "time": 100.2, "data_made": 32, "data_taken": 24}]
+    trained = bench.timed_throughput(recs, warmup=1, total=3, batch=8)
+    assert bench.input_throughput(recs, warmup=1, total=3, batch=8) == pytest.approx(trained * 8 / 16)
+    done = [{**r, "data_made": 32} for r in recs]
+    assert bench.input_throughput(done, warmup=1, total=3, batch=8) is None
+
+
 def test_input_cores_are_the_workers_cpu_seconds_over_the_window():
     """The workers used 30 CPU seconds in a 4-second window: 7.5 cores busy. Without their CPU times (synthetic
     data, no /proc) there is no figure."""
