@@ -138,11 +138,11 @@ def _passes_lines(doc: dict, w: dict, warm: int) -> list[str]:
     starts = [r["peak_window"][0] for r in w["runs"] if r.get("data") == "imagefolder" and r.get("peak_window")]
     if doc["device"] != "cuda" or not i or not starts:
         return []
-    per_pass = i["images"] / w["global_batch"]
-    if min(starts) >= SLOW_PASSES * per_pass:
+    first, per_pass = min(starts), i["images"] / w["global_batch"]  # steps trained before the earliest timed one
+    if first >= SLOW_PASSES * per_pass:
         return []
-    need = warm + math.ceil(SLOW_PASSES * per_pass) - min(starts)
-    return [f"the imagefolder rows' timed steps start {min(starts) / per_pass:.1f} passes over the files in (a pass "
+    need = warm + math.ceil(SLOW_PASSES * per_pass) - first
+    return [f"the imagefolder rows' timed steps start {first / per_pass:.1f} passes over the files in (a pass "
             f"is {per_pass:.1f} steps); on a card, compiled ResNet-50 trained 5 % slower in its first pass over 5,000 "
             f"files and about 2 % in its second than from step 200 on (docs/benchmarks.md, twenty-third section): "
             f"bench.warmup={need} or more starts them after {SLOW_PASSES} passes"]
