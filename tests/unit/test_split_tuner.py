@@ -179,9 +179,24 @@ def test_where_the_gpu_decoder_keeps_up_a_mix_that_trains_no_faster_gives_every_
     assert fake.said[2].startswith("data.decode=auto: 70% of the JPEGs on the GPU sustained 4,600 samples/s over 80 "
                                    "steps (4,600 over the first 40, which would have given it back) against 4,600 with "
                                    "every JPEG on the GPU: back to every JPEG on the GPU from sample ")
-    # a mix within GAIN of it is not kept either: it would hand the workers JPEGs for nothing
-    fake = _Fake({0.0: 2000.0, 1.0: 4600.0, 0.7: 4700.0}, {0.0: 0.4, 1.0: 0.0, 0.7: 0.0}).run()
+    # a mix within MIX_GAIN of it is not kept either: it would hand the workers JPEGs for nothing
+    fake = _Fake({0.0: 2000.0, 1.0: 4600.0, 0.7: 4680.0}, {0.0: 0.4, 1.0: 0.0, 0.7: 0.0}).run()
     assert fake.shares == [0.0, 1.0, 0.7, 1.0]
+
+
+def test_a_mix_a_few_percent_faster_than_every_jpeg_on_an_unwaiting_gpu_is_kept():
+    """Compiled ResNet-50 on 8 CPUs of an H100 host, 7 workers (2026-12-06): the workers alone 2,350 samples/s,
+    every JPEG on the GPU 5,111 without the loop waiting, the 70 % mix 5,312 (+3.9 %), which the 5 % asked then
+    gave back; the run that kept its mix trained 1.6-2.0 % faster than those that did not."""
+    fake = _Fake({0.0: 2350.0, 1.0: 5111.0, 0.7: 5312.0}, {0.0: 0.66, 1.0: 0.0, 0.7: 0.0}).run()
+    assert fake.shares == [0.0, 1.0, 0.7] and fake.tuner.share == 0.7 and len(fake.said) == 3
+    assert fake.said[2].startswith("data.decode=auto: 70% of the JPEGs on the GPU sustained 5,312 samples/s against "
+                                   "5,111 with every JPEG on the GPU: keeping it")
+    # within MIX_GAIN of it, the mix stays only where the loop still waited with every JPEG on the GPU
+    fake = _Fake({0.0: 2350.0, 1.0: 5111.0, 0.7: 5160.0}, {0.0: 0.66, 1.0: 0.0, 0.7: 0.0}).run()
+    assert fake.shares == [0.0, 1.0, 0.7, 1.0]
+    fake = _Fake({0.0: 2350.0, 1.0: 5111.0, 0.7: 5160.0}, {0.0: 0.66, 1.0: 0.2, 0.7: 0.0}).run()
+    assert fake.shares == [0.0, 1.0, 0.7] and "keeping it" in fake.said[-1]
 
 
 def test_a_gpu_decoder_that_slows_the_card_without_a_wait_gives_way_to_the_mix():
