@@ -14,10 +14,10 @@ from typing import Any
 
 from job.bench.child import Runs, RunSpec
 from job.bench.imagefolder import image_folder, token_file
-from job.bench.process import free_port
 from job.bench.results import COMPARED, card_key, empty_run, workload_result
 from job.bench.settings import FILE_ROW_DATA, multi_process, variant_args, variant_name
 from job.breakdown import KINDS
+from job.ports import free_port
 
 log = logging.getLogger("job")
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 
 # Set by torchrun/Slurm for the process they started; a benchmark run must start as a plain command
@@ -15,12 +14,6 @@ GROUP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_AD
 
 def plain_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in GROUP_VARS}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def error_line(text: str) -> str:

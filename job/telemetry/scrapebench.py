@@ -8,7 +8,6 @@ against on and scraped (`bench_overhead`).
 from __future__ import annotations
 
 import shutil
-import socket
 import sys
 import tempfile
 import threading
@@ -16,6 +15,7 @@ import time
 from types import SimpleNamespace
 
 from job import devices
+from job.ports import free_port
 from job.telemetry.rank import TrainingTelemetry
 
 
@@ -72,10 +72,7 @@ def _bench_rank(local_rank: int, world: int, n_cards: int, tcfg) -> TrainingTele
 
 def _loopback_tcfg() -> SimpleNamespace:
     """A telemetry section that serves on a free loopback port, with a fresh registration folder."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return SimpleNamespace(port=port, host="127.0.0.1", peer_dir=tempfile.mkdtemp(prefix="trainjob-bench-"))
+    return SimpleNamespace(port=free_port(), host="127.0.0.1", peer_dir=tempfile.mkdtemp(prefix="trainjob-bench-"))
 
 
 def _bench_peer(local_rank: int, world: int, n_cards: int, port: int, peer_dir: str) -> None:

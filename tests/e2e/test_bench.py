@@ -373,7 +373,9 @@ def test_imagefolder_rows_end_to_end(tmp_path):
     o = w["telemetry_overhead"]
     on = next(r for r in w["runs"] if r["name"] == "telemetry-on-1")
     dp1 = runs["dp"]
-    assert any(a.startswith("telemetry.port=") and a != "telemetry.port=0" for a in on["command"])
+    (port,) = [int(a.split("=")[1]) for a in on["command"] if a.startswith("telemetry.port=")]
+    # drawn below the kernel's ephemeral range, where no other process's connection takes it first
+    assert 1024 <= port < int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0]), port
     # dp's first run (telemetry off, the same command otherwise) is the "off" side of the pair.
     assert (o["off_runs"], o["on_runs"]) == (["dp (repeat 1)"], ["telemetry-on-1"])
     assert [a for a in on["command"] if not a.startswith(("telemetry.", "train.run_id="))] == \

@@ -1,13 +1,14 @@
-"""The tests' free ports come from below the kernel's ephemeral range and bind when drawn."""
+"""Free ports (job.ports, the tests' and the bench's) come from below the kernel's ephemeral range and bind when drawn."""
 
 from __future__ import annotations
 
 import socket
 from contextlib import closing
 
-import _ports
 import pytest
-from _ports import free_port, free_port_block
+
+from job import ports as _ports
+from job.ports import free_port, free_port_block
 
 
 def _ephemeral_start() -> int:
