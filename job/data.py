@@ -841,21 +841,6 @@ def thread_sched_s() -> tuple[float, float] | None:
         return None
 
 
-def usable_cpus() -> list[int]:
-    """The CPUs this process may run on (its affinity: a Slurm or container limit), else all the machine's."""
-    import os
-
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return list(range(os.cpu_count() or 1))
-
-
-def usable_cores() -> int:
-    """How many CPUs this process may run on (usable_cpus)."""
-    return len(usable_cpus()) or 1
-
-
 def _through_slots(collate, move):
     """(collate, move) that hand each (x, y) batch, and each batch that names its HANDOVER_TENSORS, over in the
     worker's reusable slots (job.handover): the worker copies it into its next free slot; the training process

@@ -373,3 +373,17 @@ def card_memory(card: Card, *, nvml=None) -> tuple[int, int] | None:
         return int(mem.used), int(mem.total)
     except Exception:
         return None
+
+
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity: a Slurm, container or taskset limit), else all the
+    machine's. os.cpu_count() counts the machine's, which oversubscribes a process held to fewer."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    """How many CPUs this process may run on (usable_cpus)."""
+    return len(usable_cpus()) or 1

@@ -36,6 +36,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 
+from job.devices import usable_cores
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, UsageError
 
 log = logging.getLogger("job")
@@ -408,8 +409,8 @@ def spawn(cfg, nprocs: int) -> int:
             if rank == 0:
                 env[STORE_FD_VAR] = str(listener.fileno())
             # As torchrun does: ranks sharing a host must not each start a thread per core (CPU ranks
-            # ran 6x slower oversubscribed); an explicit OMP_NUM_THREADS wins.
-            env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nprocs)))
+            # ran 6x slower oversubscribed), of the cores this job may use; an explicit OMP_NUM_THREADS wins.
+            env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // nprocs)))
             cmd = [sys.executable, "-m", "job", "train", "--config", cfg_path]
             # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once (else each
             # rank would see it twice and take it for the second, immediate one).

@@ -29,6 +29,7 @@ import time
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
+from job.devices import usable_cores
 from job.errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 
 SIDES = (64, 2048)  # --short-side's range
@@ -276,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short-side", type=int, default=256, help=f"px, {SIDES[0]}-{SIDES[1]} (default 256)")
     p.add_argument("--quality", type=int, default=90,
                    help=f"JPEG and WebP quality, {QUALITIES[0]}-{QUALITIES[1]} (default 90)")
-    p.add_argument("--procs", type=int, default=os.cpu_count() or 1, help="processes (default: every CPU)")
+    p.add_argument("--procs", type=int, default=usable_cores(), help="processes (default: every CPU it may use)")
     try:
         a = p.parse_args(argv)
         if not SIDES[0] <= a.short_side <= SIDES[1]:

@@ -30,7 +30,8 @@ from job import checkpoint as ckpt
 from job import workload as wl
 from job.cardgaps import CardGaps, Reading, idle_share
 from job.config import summary
-from job.data import BatchFailed, Data, SplitTuner, process_cpu_s, take_or_stop, thread_sched_s, usable_cores
+from job.data import BatchFailed, Data, SplitTuner, process_cpu_s, take_or_stop, thread_sched_s
+from job.devices import usable_cores
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
 from job.evaluate import Evaluator
 from job.models import human, param_count
@@ -1196,11 +1197,12 @@ def _batches(tr: Trainer):
 
 
 def _cpu_threads() -> int:
-    """Threads for a CPU run: the cores not fully busy (1-minute load average), at least 1, at most 4.
+    """Threads for a CPU run: the cores it may use (its affinity) not fully busy (1-minute load average), at
+    least 1, at most 4.
 
     A thread per core oversubscribes a loaded machine (a busy 2-core machine ran the default job several
     times slower), while an idle one is faster with every core; a small model gains nothing past 4."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     try:
         load = os.getloadavg()[0]
     except OSError:

@@ -7,7 +7,6 @@ repeats (`summarize`), a ratio of medians called a claim only when the two range
 from __future__ import annotations
 
 import logging
-import os
 import re
 import statistics
 from typing import Any
@@ -17,6 +16,7 @@ from job.bench.imagefolder import image_folder, token_file
 from job.bench.results import COMPARED, card_key, empty_run, workload_result
 from job.bench.settings import FILE_ROW_DATA, multi_process, variant_args, variant_name
 from job.breakdown import KINDS
+from job.devices import usable_cores
 from job.ports import free_port
 
 log = logging.getLogger("job")
@@ -308,10 +308,11 @@ def _choosing(bench: Runs, ref_cfg, extra: list[str]) -> int:
 def _file_args(bench: Runs, strategy: str, kind: str, path: str, *more: str) -> list[str]:
     extra = [f"data.kind={kind}", f"data.path={path}", *FILE_ROW_DATA, *more]
     if "data.workers" not in bench.overrides and not any(m.startswith("data.workers=") for m in more):
-        # Workers per training process: the cores of its share of the machine, one left for the
-        # process itself (a single-process strategy feeds every card from one loader).
+        # Workers per training process: the cores of its share of those the bench may use (its affinity:
+        # taskset, a Slurm or container limit), one left for the process itself (a single-process strategy
+        # feeds every card from one loader).
         procs = bench.cards if multi_process(strategy) else 1
-        extra.append(f"data.workers={max(1, min(16, (os.cpu_count() or 2) // procs - 1))}")
+        extra.append(f"data.workers={max(1, min(16, usable_cores() // procs - 1))}")
     return extra
 
 

@@ -83,7 +83,7 @@ def _cpu_model() -> str:
 def physical_cores(root: Path = Path("/sys/devices/system/cpu")) -> int | None:
     """Physical cores under the CPUs this process may use (distinct package and core ids in sysfs): fewer than
     the CPUs where they are hyper-threads, whose siblings share a core's time. None where sysfs does not say."""
-    from job.data import usable_cpus
+    from job.devices import usable_cpus
 
     cores = set()
     for cpu in usable_cpus():
@@ -129,7 +129,7 @@ def environment(results: list[dict]) -> dict[str, Any]:
     import torch
 
     from job import devices
-    from job.data import usable_cpus
+    from job.devices import usable_cpus
 
     cmd = sys.argv[1:] if sys.argv and sys.argv[0].endswith("__main__.py") else None
     command = shlex.join(["python", "-m", "job", *cmd]) if cmd is not None else shlex.join(sys.argv)

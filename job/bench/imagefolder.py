@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from job.devices import usable_cores
 from job.errors import UsageError
 
 log = logging.getLogger("job")
@@ -79,7 +80,7 @@ def image_folder(root: Path, images: int, *, seed: int = 0, short_side: int = 0)
     log.info("bench: generating %d JPEG files in %s (once; later benches reuse them)", images, root)
     t = time.monotonic()
     items = [(i, i % IMAGE_CLASSES) for i in range(images)]
-    procs = max(1, min(os.cpu_count() or 1, 16, images // 100))
+    procs = max(1, min(usable_cores(), 16, images // 100))
     chunks = [(str(root), items[j::procs], seed, short_side) for j in range(procs)]
     if procs == 1:
         total = _make_images(chunks[0])

@@ -167,7 +167,8 @@ def test_make_run_prints_the_table():
 def test_cpu_runs_use_the_cores_that_are_not_busy(monkeypatch, cores, load, threads):
     from job import train as train_mod
 
-    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine's: not what the run may use
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     assert train_mod._cpu_threads() == threads
 

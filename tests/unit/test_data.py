@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from job import data
+from job import data, devices
 from job.datasets import BadImage, SampleIndex
 from job.errors import UsageError
 
@@ -354,7 +354,7 @@ def test_the_stream_says_how_much_cpu_its_workers_used():
         pass
     assert data.process_cpu_s(os.getpid()) - mine >= 0.2
     assert data.process_cpu_s(2 ** 22 + 12345) is None  # no such process
-    assert 1 <= data.usable_cores() <= (os.cpu_count() or 1)
+    assert 1 <= devices.usable_cores() <= (os.cpu_count() or 1)
 
 
 @pytest.mark.parametrize("busy, own, workers, cores, ranks, says", [

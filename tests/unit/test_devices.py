@@ -8,6 +8,7 @@ methods to the real pynvml's signatures, and the no-driver tests use the real py
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
 import subprocess
@@ -283,3 +284,31 @@ def test_gpu_changing_visible_devices_after_cuda_start_is_an_error():
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "raised CUDA_VISIBLE_DEVICES changed from '0' to '1' after CUDA started" in p.stdout
+
+
+def test_the_cores_a_process_may_use_are_its_affinity_not_the_machines():
+    """A process held to one CPU (taskset, a Slurm cpuset) may use one: the bench's default workers, the
+    launcher's OMP_NUM_THREADS and a CPU run's threads are sized from this, not from os.cpu_count()."""
+    cpu = max(os.sched_getaffinity(0))
+    code = (f"import json, os; os.sched_setaffinity(0, {{{cpu}}}); from job.devices import usable_cores, usable_cpus; "
+            "print(json.dumps([usable_cores(), usable_cpus()]))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout) == [1, [cpu]], p.stdout
+
+
+def test_the_benchs_default_workers_come_from_the_cpus_it_may_use(monkeypatch):
+    """8 CPUs of a 32-CPU machine: 7 workers for a one-process row (one CPU left for it), not 16."""
+    from types import SimpleNamespace
+
+    from job.bench.compare import _file_args
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    bench = SimpleNamespace(overrides={}, cards=1)
+    assert "data.workers=7" in _file_args(bench, "ddp", "imagefolder", "/x")
+    bench = SimpleNamespace(overrides={}, cards=2)  # two processes share the 8: 3 workers each
+    assert "data.workers=3" in _file_args(bench, "ddp", "imagefolder", "/x")
+    assert "data.workers=7" in _file_args(bench, "balanced", "imagefolder", "/x")  # one process feeds both cards
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    assert "data.workers=16" in _file_args(SimpleNamespace(overrides={}, cards=1), "ddp", "imagefolder", "/x")
