@@ -646,11 +646,11 @@ class SplitTuner:
        hands the workers JPEGs for nothing): every JPEG on the GPU where that sustained GAIN more than the
        workers, else the workers, which come back otherwise. MIX_GAIN is below GAIN: compiled ResNet-50 on 8
        CPUs of an H100 host gave back mixes that sustained 3.6 % and 3.9 % more than every JPEG on the GPU,
-       and the one run that kept its mix trained 1.6-2.0 % faster than those two once settled. A mix about to be given back is first timed on for as long
-       again, and judged on both windows as one: a window of 2 s varies by 10-30 % on a host of slow cores
-       (1xH200, 16 cores, compiled ResNet-50: the mix's windows 4,371-6,121 samples/s across nine runs, the
-       synthetic rate within 0.1 %), and one low window gave back a mix that trained 5,791 (median) in the
-       other runs for every JPEG on the GPU at 5,095, in 3 runs of 9.
+       and the one run that kept its mix trained 1.6-2.0 % faster than those two once settled. A mix about to
+       be given back is first timed on for as long again, and judged on both windows as one: a window of 2 s
+       varies by 10-30 % on a host of slow cores (1xH200, 16 cores, compiled ResNet-50: the mix's windows
+       4,371-6,121 samples/s across nine runs, the synthetic rate within 0.1 %), and one low window gave back
+       a mix that trained 5,791 (median) in the other runs for every JPEG on the GPU at 5,095, in 3 runs of 9.
 
     Each step is one log line; where the trainer gives it the card's idle time between steps (`card`: a
     CardGaps' read), each window's share is in it too (the loop's wait is host time, which the card's queued

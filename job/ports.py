@@ -40,7 +40,7 @@ def free_port_block(n: int = 1) -> int:
     span = _below_ephemeral()
     if len(span) < n:
         raise RuntimeError(f"no room for {n} ports below the ephemeral range (read from {_RANGE})")
-    draw = random.Random()  # seeded from the OS: the two xdist workers draw independently
+    draw = random.Random()  # seeded from the OS: processes drawing at the same time draw apart
     for _ in range(200):
         first = draw.randrange(span.start, span.stop - n + 1)
         if all(_binds(p) for p in range(first, first + n)):
