@@ -381,6 +381,12 @@ def _config_fd(text: str) -> tuple[int, str | None]:
     return fd, path
 
 
+def rank_threads(nprocs: int) -> int:
+    """OMP threads for each of `nprocs` ranks sharing this host, as torchrun sets: the CPUs this job may use
+    (its affinity) shared out, at least 1 (CPU ranks each starting a thread per core ran 6x slower)."""
+    return max(1, usable_cores() // nprocs)
+
+
 def spawn(cfg, nprocs: int) -> int:
     """Run the resolved config as `nprocs` local ranks; return 0, 75 if interrupted, else the worst code."""
     from omegaconf import OmegaConf
@@ -408,9 +414,7 @@ def spawn(cfg, nprocs: int) -> int:
             fds = (cfg_fd, listener.fileno()) if rank == 0 else (cfg_fd,)
             if rank == 0:
                 env[STORE_FD_VAR] = str(listener.fileno())
-            # As torchrun does: ranks sharing a host must not each start a thread per core (CPU ranks
-            # ran 6x slower oversubscribed), of the cores this job may use; an explicit OMP_NUM_THREADS wins.
-            env.setdefault("OMP_NUM_THREADS", str(max(1, usable_cores() // nprocs)))
+            env.setdefault("OMP_NUM_THREADS", str(rank_threads(nprocs)))  # an explicit one wins
             cmd = [sys.executable, "-m", "job", "train", "--config", cfg_path]
             # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once (else each
             # rank would see it twice and take it for the second, immediate one).

@@ -312,3 +312,11 @@ def test_the_benchs_default_workers_come_from_the_cpus_it_may_use(monkeypatch):
     assert "data.workers=7" in _file_args(bench, "balanced", "imagefolder", "/x")  # one process feeds both cards
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
     assert "data.workers=16" in _file_args(SimpleNamespace(overrides={}, cards=1), "ddp", "imagefolder", "/x")
+
+
+def test_the_launchers_ranks_share_the_cpus_the_job_may_use(monkeypatch):
+    from job.launch import rank_threads
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 32)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
+    assert [rank_threads(n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
