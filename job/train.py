@@ -1197,17 +1197,16 @@ def _batches(tr: Trainer):
 
 
 def _cpu_threads() -> int:
-    """Threads for a CPU run: the cores it may use (its affinity) not fully busy (1-minute load average), at
-    least 1, at most 4.
+    """Threads for a CPU run: the machine's cores not fully busy (1-minute load average, the machine's), no
+    more than the cores it may use (its affinity), at least 1, at most 4.
 
     A thread per core oversubscribes a loaded machine (a busy 2-core machine ran the default job several
     times slower), while an idle one is faster with every core; a small model gains nothing past 4."""
-    cores = usable_cores()
     try:
         load = os.getloadavg()[0]
     except OSError:
         load = 0.0
-    return max(1, min(4, math.ceil(cores - load)))
+    return max(1, min(4, usable_cores(), math.ceil((os.cpu_count() or 1) - load)))
 
 
 def _reset_peaks(devices: list[torch.device]) -> None:

@@ -167,8 +167,21 @@ def test_make_run_prints_the_table():
 def test_cpu_runs_use_the_cores_that_are_not_busy(monkeypatch, cores, load, threads):
     from job import train as train_mod
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 64)  # the machine's: not what the run may use
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    assert train_mod._cpu_threads() == threads
+
+
+@pytest.mark.parametrize("allowed,machine,load,threads", [(2, 64, 0.0, 2), (2, 64, 40.0, 2), (8, 64, 6.5, 4),
+                                                          (2, 4, 3.5, 1), (1, 64, 0.0, 1)])
+def test_cpu_runs_use_no_more_threads_than_the_cpus_they_may_use(monkeypatch, allowed, machine, load, threads):
+    """Held to `allowed` of a machine's CPUs (taskset, a Slurm cpuset): never more threads than those; the load
+    average is the machine's, so it counts against the machine's cores, not against the cpuset's."""
+    from job import train as train_mod
+
+    monkeypatch.setattr(os, "cpu_count", lambda: machine)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(allowed)))
     monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
     assert train_mod._cpu_threads() == threads
 
