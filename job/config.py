@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from job.errors import UsageError
+from job.workload import MAX_PIXELS
 
 CONF_DIR = Path(__file__).parent / "conf"
 
@@ -184,6 +185,11 @@ class DataCfg:
     id, spread evenly over every batch); the workers decode the rest at the same time. 1: all on the GPU.
     Where the workers are short of cores, data.decode=auto finds a share by itself: on 8 cores of an H200
     host with 7 workers it chose 0.7 for compiled ResNet-50, 2.5x the workers' rate alone (docs/benchmarks.md)."""
+    max_pixels: int = MAX_PIXELS
+    """imagefolder: the most pixels an image may have, read from its header before it is decoded (a file of a
+    few KB can claim 65,500 x 65,500 pixels: 12.9 GB decoded, in a worker or on the card). A larger one stops
+    the run like a damaged file, with a line naming it. The default is Pillow's own limit (537 MB decoded);
+    0: no limit. `python -m job.shrink` makes a copy of a folder with every image small."""
     synthetic_pool: int = 64
     """synthetic: distinct samples generated once and cycled."""
 
@@ -388,6 +394,7 @@ LIMITS: dict[str, tuple[int, int]] = {
     "data.workers": (0, 256),
     "data.worker_nice": (0, 19),
     "data.prefetch_depth": (1, 4),
+    "data.max_pixels": (0, 2**40),
     "data.synthetic_pool": (1, 2**20),
     "eval.every": (0, MAX_STEPS),
     "eval.samples": (0, 2**31 - 1),

@@ -99,7 +99,7 @@ class Data:
     def _dataset(self, path: str, split: str):
         request = wl.DataRequest(kind=self.cfg.kind, path=path, split=split, seed=self.seed,
                                  token_dtype=self.cfg.token_dtype, decode=self.decode,
-                                 gpu_share=float(self.cfg.gpu_share),
+                                 gpu_share=float(self.cfg.gpu_share), max_pixels=int(self.cfg.max_pixels),
                                  gpu_split=self._split if split == "train" else None)
         ds = wl.call(f"workload `{self.resolved.name}`: dataset(kind={self.cfg.kind}, split={split})",
                      self.workload.dataset, self.settings, request)

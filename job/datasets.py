@@ -19,6 +19,7 @@ from pathlib import Path
 
 from job import gpucrops
 from job.errors import UsageError
+from job.workload import MAX_PIXELS
 
 TOKEN_DTYPES = ("uint16", "uint32")
 
@@ -126,6 +127,7 @@ def _max_token(tokens, chunk: int = 1 << 26) -> int:
 MEAN, STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 DECODERS = ("cpu", "gpu")
 JPEG_MAGIC = b"\xff\xd8\xff"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 class BadImage(UsageError):
@@ -176,8 +178,38 @@ def decode_pixels(data, path: str):
     return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1).contiguous()
 
 
+# The JPEG markers whose segment holds the frame's height and width (SOF0-SOF15 but DHT, JPG and DAC).
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) from a JPEG's frame header, walking its markers (about 1 µs: Pillow's open takes 24 on
+    the 2-core development machine); None where the bytes end or break before one."""
+    i, n = 2, len(data)
+    while i + 9 <= n:
+        if data[i] != 0xFF:
+            return None
+        marker = data[i + 1]
+        if marker == 0xFF:  # fill bytes before a marker
+            i += 1
+        elif marker in _SOF:
+            return (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8]
+        elif marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # markers without a segment
+            i += 2
+        else:
+            i += 2 + ((data[i + 2] << 8) | data[i + 3])
+    return None
+
+
 def image_size_of(data: bytes, path: str) -> tuple[int, int]:
-    """(height, width) from the file's header, without decoding it."""
+    """(height, width) from the file's header, without decoding it: a JPEG's or PNG's own, Pillow's otherwise
+    (one line naming the file where it cannot tell)."""
+    if data[:3] == JPEG_MAGIC:
+        size = jpeg_size(data)
+        if size is not None:
+            return size
+    elif data[:8] == PNG_MAGIC and data[12:16] == b"IHDR":
+        return int.from_bytes(data[20:24], "big"), int.from_bytes(data[16:20], "big")
     import io
 
     from PIL import Image
@@ -185,6 +217,16 @@ def image_size_of(data: bytes, path: str) -> tuple[int, int]:
     with _reading(path), Image.open(io.BytesIO(data)) as im:
         w, h = im.size
     return h, w
+
+
+def check_pixels(hw: tuple[int, int], path: str, limit: int) -> None:
+    """BadImage where an image of `hw` (height, width) has more than `limit` pixels (0: no limit)."""
+    h, w = hw
+    if limit and h * w > limit:
+        mb = 3 * h * w / 2**20
+        raise BadImage(f"cannot read image {path} ({w:,} x {h:,} pixels, {mb:,.{0 if mb >= 10 else 1}f} MB decoded: more "
+                       f"than data.max_pixels={limit:,}); shrink it (python -m job.shrink), remove it, or raise "
+                       "data.max_pixels")
 
 
 def check_imagefolder(path: str, *, num_classes: int) -> None:
@@ -243,7 +285,8 @@ class ImageFolder:
     schedule by sample id that the training process changes while the workers run (job.data.SplitTuner)."""
 
     def __init__(self, path: str | os.PathLike, *, image_size: int, num_classes: int, augment: bool = False,
-                 decode: str = "cpu", gpu_share: float = 1.0, gpu_split: GpuSplit | None = None):
+                 decode: str = "cpu", gpu_share: float = 1.0, gpu_split: GpuSplit | None = None,
+                 max_pixels: int = MAX_PIXELS):
         from torchvision import datasets
 
         if decode not in DECODERS:
@@ -251,7 +294,7 @@ class ImageFolder:
         if not 0.0 <= gpu_share <= 1.0:
             raise UsageError(f"data.gpu_share={gpu_share} is not a fraction; use a value from 0 to 1")
         check_imagefolder(str(path), num_classes=num_classes)
-        self.augment, self.size, self.decode = augment, int(image_size), decode
+        self.augment, self.size, self.decode, self.max_pixels = augment, int(image_size), decode, int(max_pixels)
         self.gpu_share = float(gpu_share) if decode == "gpu" else 0.0
         self.gpu_split = gpu_split if decode == "cpu" else None  # data.decode=auto's changing share (GpuSplit)
         self._norm: dict = {}
@@ -296,10 +339,11 @@ class ImageFolder:
                 raw = f.read()
         except OSError as e:
             raise _bad(path, e.strerror or e) from None
+        hw = image_size_of(raw, path)  # before decoding: a file may claim more pixels than the memory holds
+        check_pixels(hw, path, self.max_pixels)
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         if raw[:3] == JPEG_MAGIC and self._on_gpu(index):
-            h, w = image_size_of(raw, path)
-            return Encoded(data, self.crop_of(index, h, w), path, (h, w)), label
+            return Encoded(data, self.crop_of(index, *hw), path, hw), label
         image = decode_pixels(data, path)
         return crop_resize(image, self.crop_of(index, image.shape[1], image.shape[2]), self.size), label
 

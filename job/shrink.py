@@ -75,6 +75,31 @@ def write_image(image, path: Path, fmt: str, **options) -> int:
     return buf.getbuffer().nbytes
 
 
+def _open_large(src: Path):
+    """Image.open without Pillow's decompression-bomb refusal, which it makes from the header alone: a JPEG
+    too large to decode whole (what data.max_pixels refuses to train on) decodes at a fraction of its size
+    here (draft), so the check is made on what will be decoded (_check_decode)."""
+    from PIL import Image
+
+    limit = Image.MAX_IMAGE_PIXELS
+    Image.MAX_IMAGE_PIXELS = None
+    try:
+        return Image.open(src)
+    finally:
+        Image.MAX_IMAGE_PIXELS = limit
+
+
+def _check_decode(im) -> None:
+    """ValueError where `im` would decode to more pixels than Pillow's limit allows (twice MAX_IMAGE_PIXELS,
+    where Image.open refuses a file)."""
+    from PIL import Image
+
+    w, h = im.size
+    if Image.MAX_IMAGE_PIXELS and w * h > 2 * Image.MAX_IMAGE_PIXELS:
+        raise ValueError(f"{w:,} x {h:,} pixels to decode, more than Pillow's limit of "
+                         f"{2 * Image.MAX_IMAGE_PIXELS:,} (only a JPEG decodes at a fraction of its size)")
+
+
 def shrink_one(src: Path, dst: Path, short_side: int, quality: int) -> tuple[str, int]:
     """Write `src` (an image) to `dst` resized to `short_side`, or copied where it is no larger: ("resized" or
     "copied", bytes written). A file PIL cannot decode raises ValueError (its reason); a write that fails,
@@ -82,13 +107,14 @@ def shrink_one(src: Path, dst: Path, short_side: int, quality: int) -> tuple[str
     from PIL import Image
 
     try:
-        with Image.open(src) as im:
+        with _open_large(src) as im:
             w, h = im.size
             fmt = "JPEG" if im.format == "MPO" else im.format  # MPO: a camera's JPEG with a second frame
             if min(w, h) > short_side:
                 size = target_size(w, h, short_side)
                 if fmt == "JPEG":
                     im.draft(im.mode, size)  # DCT scaling to no less than `size`: a fraction of the decode
+                _check_decode(im)
                 im.load()
                 out = im if im.mode in ("RGB", "L") else im.convert("RGB")
                 out = out.resize(size, Image.BICUBIC)

@@ -57,6 +57,12 @@ from typing import Any
 
 from job.errors import UsageError, worker_reraise
 
+# data.max_pixels' default, the most pixels an image file may have: Pillow's own limit, past which it refuses a
+# file as a decompression bomb. 537 MB decoded (RGB): one such image in each worker at once, or alone in a GPU
+# decode call (within the memory plan's 1.5 GB margin), where a file of a few KB can claim 65,500 x 65,500
+# pixels (12.9 GB).
+MAX_PIXELS = 178_956_970
+
 ENTRY_POINT_GROUP = "trainjob.workloads"
 BUILTIN = {
     "tiny": "job.workloads.tiny:workload",
@@ -82,6 +88,7 @@ class DataRequest:
     # JPEGs to hand undecoded to to_device for the GPU (it starts at none; the run raises it when the workers
     # cannot keep up, and keeps it only where it trains faster). None otherwise; a dataset may ignore it.
     gpu_split: Any = None
+    max_pixels: int = MAX_PIXELS  # data.max_pixels: the most pixels an image file may claim (0: no limit)
 
 
 @dataclass(frozen=True)

@@ -31,3 +31,14 @@ def make_folder(root: Path, per_class: int = 5, classes: int = 2, png_every: int
 def batch(ds: ImageFolder, ids: list[SampleIndex], device=CPU):
     """The samples `ids` of `ds`, collated and moved as the trainer does."""
     return ds.to_device(ds.collate([ds[i] for i in ids]), device)
+
+
+def claim_size(path: Path, height: int, width: int) -> None:
+    """Rewrite the JPEG at `path` so that its frame header claims `height` x `width` pixels (its data unchanged):
+    a file of a few KB that would decode to gigabytes."""
+    data = bytearray(path.read_bytes())
+    i = 2
+    while data[i + 1] not in (0xC0, 0xC1, 0xC2):  # to the frame header (SOF0-2), segment by segment
+        i += 2 + int.from_bytes(data[i + 2:i + 4], "big")
+    data[i + 5:i + 9] = height.to_bytes(2, "big") + width.to_bytes(2, "big")
+    path.write_bytes(bytes(data))

@@ -43,4 +43,4 @@ def image_folder(settings, request):
 
     return ImageFolder(request.path, image_size=settings.image_size, num_classes=settings.num_classes,
                        augment=settings.augment and request.split == "train", decode=request.decode,
-                       gpu_share=request.gpu_share, gpu_split=request.gpu_split)
+                       gpu_share=request.gpu_share, gpu_split=request.gpu_split, max_pixels=request.max_pixels)

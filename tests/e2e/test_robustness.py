@@ -463,6 +463,32 @@ def test_undecodable_image_at_start_is_named(tmp_path, workers):
     assert not (tmp_path / "u").exists()  # refused before the run wrote anything
 
 
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_image_claiming_gigabytes_of_pixels_is_named_before_it_is_decoded(tmp_path, workers):
+    """A JPEG of a few hundred bytes whose header claims 60,000 x 60,000 pixels would have a worker (or the card)
+    allocate 10 GB: it is refused from its header with one line naming it, before the run writes anything, and
+    a larger data.max_pixels lets the same size through to the decoder."""
+    from _images_helpers import claim_size
+    from PIL import Image
+
+    _images(tmp_path / "imgs", {"cat": 1, "dog": 1})
+    bomb = tmp_path / "imgs" / "cat" / "0.jpg"
+    (tmp_path / "imgs" / "cat" / "0.png").unlink()
+    Image.new("RGB", (20, 20), (200, 90, 40)).save(bomb)
+    claim_size(bomb, 60_000, 60_000)
+    p = train(tmp_path, "b", *IMG, f"data.path={tmp_path / 'imgs'}", f"data.workers={workers}")
+    assert p.returncode == 2, p.stderr
+    line = one_error(p.stderr)
+    assert line == (f"error: cannot read image {bomb} (60,000 x 60,000 pixels, 10,300 MB decoded: more than "
+                    "data.max_pixels=178,956,970); shrink it (python -m job.shrink), remove it, or raise data.max_pixels")
+    assert not (tmp_path / "b").exists()  # refused before the run wrote anything
+    Image.new("RGB", (300, 200), (200, 90, 40)).save(bomb)
+    p = train(tmp_path, "s", *IMG, f"data.path={tmp_path / 'imgs'}", f"data.workers={workers}", "data.max_pixels=50000")
+    assert p.returncode == 2 and "(300 x 200 pixels, 0.2 MB decoded: more than data.max_pixels=50,000)" in one_error(p.stderr)
+    p = train(tmp_path, "t", *IMG, f"data.path={tmp_path / 'imgs'}", f"data.workers={workers}", "data.max_pixels=60000")
+    assert p.returncode == 0, p.stderr
+
+
 def _first_read_at(files: list[Path], step: int, *, batch: int, pick: int = 0) -> tuple[int, Path]:
     """(s, the file at position `pick` of step s's batch) for the first step s from `step` on whose file no
     earlier step reads (the seeded order, train.seed=0), and that is not the first file (the start's check

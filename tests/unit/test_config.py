@@ -119,6 +119,7 @@ BAD = [
     (["workload.width=0"], "`workload.width=0` is out of range"),
     (["data.workers=1000"], "`data.workers=1000` is out of range; use 0 to 256"),
     (["data.prefetch=true", "data.prefetch_depth=0"], "`data.prefetch_depth=0` is out of range; use 1 to 4"),
+    (["data.max_pixels=-1"], "`data.max_pixels=-1` is out of range; use 0 to 1,099,511,627,776"),
     (["data.prefetch=false", "data.prefetch_depth=2"],
      "data.prefetch_depth=2 is how far data.prefetch's thread prepares batches ahead, and data.prefetch=false: "
      "add data.prefetch=true, or drop data.prefetch_depth"),

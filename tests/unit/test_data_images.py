@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from _images_helpers import CPU, batch, make_folder
+from _images_helpers import CPU, batch, claim_size, make_folder
 from conftest import ROOT, job_cmd
 
 from job import config
@@ -23,6 +23,7 @@ from job.datasets import (
     SampleIndex,
     crop_resize,
     crops_resized,
+    image_size_of,
     on_gpu,
     random_resized_crop,
     sample_seed,
@@ -394,6 +395,60 @@ def test_a_damaged_jpeg_is_one_line_naming_it_with_either_decoder(tmp_path):
     index = next(i for i, (p, _) in enumerate(ds.samples) if p == str(garbage))
     with pytest.raises(BadImage, match=f"cannot read image {garbage}"):
         ds[index]
+
+
+def test_image_size_of_reads_the_size_pillow_reads_from_the_header(tmp_path):
+    """The header's (height, width), which the workers read before decoding (data.max_pixels): JPEGs walked
+    marker by marker (baseline, progressive, grey, CMYK, an APP1 segment whose bytes look like a frame
+    header), PNG's IHDR, Pillow for the rest; a file that names no size is one line naming it."""
+    import io
+
+    from PIL import Image
+
+    def jpeg(mode="RGB", **kw):
+        buf = io.BytesIO()
+        Image.new(mode, (131, 97)).save(buf, "JPEG", **kw)
+        return buf.getvalue()
+
+    fake_sof = b"\xff\xe1\x00\x0b\xff\xc0\x00\x11\x08\x00\x10"  # APP1 holding the bytes of a 16-row SOF0
+    plain = jpeg()
+    files = {"baseline": plain, "progressive": jpeg(progressive=True), "grey": jpeg("L"), "cmyk": jpeg("CMYK"),
+             "app1": plain[:2] + fake_sof + plain[2:], "fill": plain[:2] + b"\xff\xff" + plain[2:]}
+    for fmt in ("PNG", "BMP", "WEBP", "GIF"):
+        buf = io.BytesIO()
+        Image.new("RGB", (131, 97)).save(buf, fmt)
+        files[fmt] = buf.getvalue()
+    for name, data in files.items():
+        with Image.open(io.BytesIO(data)) as im:
+            assert im.size == (131, 97), name
+        assert image_size_of(data, name) == (97, 131), name
+    with pytest.raises(BadImage, match="cannot read image cut.jpg"):
+        image_size_of(plain[:20], "cut.jpg")
+
+
+@pytest.mark.parametrize("decode", ["cpu", "gpu"])
+def test_an_image_claiming_more_pixels_than_data_max_pixels_is_one_line_naming_it(tmp_path, decode):
+    """A JPEG of a few KB whose header claims 60,000 x 60,000 pixels (10 GB decoded) is refused from its header,
+    before any decoder allocates it, by the worker that reads it (either decoder); so is any image above a
+    lower data.max_pixels, and 0 lifts the limit."""
+    root = make_folder(tmp_path / "imgs")
+    bomb = root / "c0" / "0.jpg"
+    claim_size(bomb, 60_000, 60_000)
+    ds = ImageFolder(root, image_size=16, num_classes=2, decode=decode)
+    index = next(i for i, (p, _) in enumerate(ds.samples) if p == str(bomb))
+    with pytest.raises(BadImage) as e:
+        ds[SampleIndex(index, index, 0)]
+    assert str(e.value) == (f"cannot read image {bomb} (60,000 x 60,000 pixels, 10,300 MB decoded: more than "
+                            "data.max_pixels=178,956,970); shrink it (python -m job.shrink), remove it, or raise "
+                            "data.max_pixels")
+    png = next(p for p, _ in ds.samples if p.endswith(".png"))  # 120 x 160 or another of make_folder's shapes
+    small = ImageFolder(root, image_size=16, num_classes=2, decode=decode, max_pixels=1000)
+    with pytest.raises(BadImage, match=r" pixels, [0-9.]+ MB decoded: more than data.max_pixels=1,000\)"):
+        small[SampleIndex(next(i for i, (p, _) in enumerate(small.samples) if p == png), 0, 0)]
+    free = ImageFolder(root, image_size=16, num_classes=2, decode=decode, max_pixels=0)
+    ok = [i for i, (p, _) in enumerate(free.samples) if p != str(bomb)]
+    x, y = batch(free, [SampleIndex(i, i, 0) for i in ok])
+    assert x.shape == (len(ok), 3, 16, 16)
 
 
 def test_data_decode_gpu_on_a_cpu_run_is_refused(tmp_path):

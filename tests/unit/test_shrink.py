@@ -217,3 +217,22 @@ def test_a_stopped_copy_keeps_what_it_finished_and_continues(many, tmp_path, how
     r = _shrink(many, dst, "--procs", "2")
     assert r.returncode == 0 and f"{kept:,} there before" in r.stdout, r.stdout + r.stderr
     assert len(list(dst.rglob("*.jpg"))) == 600
+
+
+def test_a_jpeg_larger_than_pillow_decodes_whole_is_shrunk_at_a_fraction_and_others_are_named(tmp_path, monkeypatch):
+    """What data.max_pixels refuses to train on, the copy shrinks: Pillow refuses a file from its header alone
+    (more than twice Image.MAX_IMAGE_PIXELS), but a JPEG decodes at a fraction of its size (draft), within the
+    limit. Other formats decode whole, so they are refused, with the size. (The limit is lowered here: an image
+    past the real one is 179 megapixels.)"""
+    from job.shrink import shrink_one
+
+    _noise(100, 80).save(tmp_path / "big.jpg", quality=90)
+    _noise(100, 80).save(tmp_path / "big.png")
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 1000)  # Pillow refuses more than 2,000 pixels
+    kind, size = shrink_one(tmp_path / "big.jpg", tmp_path / "out" / "big.jpg", 32, 90)
+    assert kind == "resized" and (tmp_path / "out" / "big.jpg").stat().st_size == size
+    with Image.open(tmp_path / "out" / "big.jpg") as im:
+        assert im.size == (40, 32)
+    with pytest.raises(ValueError, match=r"100 x 80 pixels to decode, more than Pillow's limit of 2,000"):
+        shrink_one(tmp_path / "big.png", tmp_path / "out" / "big.png", 32, 90)
+    assert Image.MAX_IMAGE_PIXELS == 1000  # put back after each open
