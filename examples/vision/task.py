@@ -50,7 +50,8 @@ def example_batch(s: Settings, n: int, generator: torch.Generator):
 
 def images(s: Settings, request):
     return ImageFolder(request.path, image_size=s.image_size, num_classes=s.classes,
-                       augment=s.augment and request.split == "train", decode=request.decode)
+                       augment=s.augment and request.split == "train", decode=request.decode,
+                       max_pixels=request.max_pixels)
 
 
 workload = Workload(
