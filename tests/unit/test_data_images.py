@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from job.datasets import (
     EncodedBatch,
     ImageFolder,
     SampleIndex,
+    Samples,
     crop_resize,
     crops_resized,
     image_size_of,
@@ -449,6 +451,61 @@ def test_an_image_claiming_more_pixels_than_data_max_pixels_is_one_line_naming_i
     ok = [i for i, (p, _) in enumerate(free.samples) if p != str(bomb)]
     x, y = batch(free, [SampleIndex(i, i, 0) for i in ok])
     assert x.shape == (len(ok), 3, 16, 16)
+
+
+def test_the_samples_are_torchvisions_pairs_packed(tmp_path):
+    """ImageFolder.samples holds torchvision's (file, class) pairs, in its order, packed (Samples): indexing,
+    negative indices, slices, iteration, a pickled copy (a spawned worker's), names that are not UTF-8."""
+    import pickle
+
+    from torchvision import datasets
+
+    root = make_folder(tmp_path / "imgs")
+    want = datasets.ImageFolder(str(root), loader=str).samples
+    ds = ImageFolder(root, image_size=16, num_classes=2)
+    assert isinstance(ds.samples, Samples) and list(ds.samples) == want and len(ds.samples) == len(want)
+    assert ds.samples[-1] == want[-1] and ds.samples[2:5] == want[2:5] and list(pickle.loads(pickle.dumps(ds.samples))) == want
+    with pytest.raises(IndexError):
+        ds.samples[len(want)]
+    odd = [("/data/caf\udce9/1.jpg", 7), ("/data/b.png", 0)]  # a Latin-1 name, as os.listdir returns it
+    assert list(Samples(odd)) == odd and list(Samples([])) == []
+
+
+def _private_mb_after_reading(samples) -> float:
+    """MB of its own (not shared with this process) that a forked child holds after reading every entry of
+    `samples`, as a DataLoader worker forked from the training process does over an epoch."""
+    import gc
+    import os
+
+    def private_kb(pid: int) -> int:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            fields = {line.split(":")[0]: int(line.split()[1]) for line in f if line.rstrip().endswith("kB")}
+        return fields["Private_Dirty"] + fields["Private_Clean"]
+
+    gc.collect()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: read every entry, report how much of its memory is its own, leave
+        before = private_kb(os.getpid())
+        for i in range(len(samples)):
+            path, label = samples[i]  # as ImageFolder.__getitem__ does
+        os.write(w, str(private_kb(os.getpid()) - before).encode())
+        os._exit(0)
+    os.close(w)
+    grew = int(os.read(r, 64).decode())
+    os.waitpid(pid, 0)
+    return grew / 1024
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux's /proc/<pid>/smaps_rollup")
+def test_a_forked_worker_reading_every_sample_shares_the_packed_list():
+    """200,000 ImageNet-like names: a forked child that reads every entry of torchvision's list of tuples copies
+    the pages their reference counts live on (tens of MB of its own); of the packed Samples, almost nothing."""
+    pairs = [(f"/data/imagenet/train/n{i % 1000:08d}/n{i % 1000:08d}_{i}.JPEG", i % 1000) for i in range(200_000)]
+    packed = Samples(pairs)
+    as_list = _private_mb_after_reading(pairs)
+    assert as_list > 20, as_list  # the measurement sees the copies
+    assert _private_mb_after_reading(packed) < 3
 
 
 def test_data_decode_gpu_on_a_cpu_run_is_refused(tmp_path):
