@@ -268,8 +268,8 @@ class Samples(Sequence):
     arrays. A list of tuples of str and int is ~190 bytes an image, and a DataLoader worker forked from the
     training process copies every page of it whose objects it reads (reading one changes its reference count):
     with ImageNet's 1,281,167 files a worker held 246 MB of its own once it had read every entry, 16 workers
-    3.9 GB, each rank's again; packed, the workers share the parent's 0 MB of their own (the 2-core development
-    machine, docs/benchmarks.md). An entry costs ~1 µs to unpack, against a decode's ~1 ms."""
+    3.9 GB, each rank's again; packed, a worker held 1 MB of its own (the 2-core development machine,
+    docs/benchmarks.md). An entry costs ~1 µs to unpack, against a decode's ~1 ms."""
 
     def __init__(self, pairs):
         import numpy as np
