@@ -54,7 +54,8 @@ class TokenFile:
 
     Sample k is the window of seq_len + 1 tokens starting at token k x seq_len: x its first seq_len tokens,
     y the same shifted by one. The file is checked when opened: its size is a whole number of tokens, it
-    holds at least one window, and no id reaches `vocab` (read in chunks: a few seconds per GB)."""
+    holds at least one window, and no id reaches `vocab` (read in chunks: 0.04-0.07 s a GB from the page cache on
+    the 2-core development machine; a file not in memory at the disk's speed)."""
 
     def __init__(self, path: str | os.PathLike, *, seq_len: int, vocab: int, dtype: str = "uint16"):
         import numpy as np
