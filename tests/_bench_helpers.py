@@ -13,8 +13,7 @@ except ImportError:  # pragma: no cover
     jsonschema = None
 
 from job import bench
-
-PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+from job.datasets import PNG_MAGIC
 
 
 def validate(doc: dict, *, required: bool = True) -> None:
