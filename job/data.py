@@ -557,7 +557,7 @@ class Stream:
 
     def __next__(self):
         dead_worker()
-        if self.tuner is None or self.tuner.done:
+        if self.tuner is None or not self.tuner.observing:
             x, y = next(self.it)
             self.taken += len(x)
             return x, y
@@ -652,6 +652,13 @@ class SplitTuner:
        4,371-6,121 samples/s across nine runs, the synthetic rate within 0.1 %), and one low window gave back
        a mix that trained 5,791 (median) in the other runs for every JPEG on the GPU at 5,095, in 3 runs of 9.
 
+    Where the first window finds the workers keeping up, the choice holds, but the windows go on being timed: a
+    shortfall of a few per cent is hidden for hundreds of steps by the read-ahead of many workers (16 workers'
+    36 batches last ~450 steps at 8 % short), and a host gets busier. Where the loop waits WAIT or more in WATCH
+    windows running, the three steps start then, once (1xH100, 16 CPUs, compiled ResNet-50: the first window
+    kept the workers, the timed steps waited 8-11 % of the time for them, and 30 % of the JPEGs on the card
+    trained 7 % faster).
+
     Each step is one log line; where the trainer gives it the card's idle time between steps (`card`: a
     CardGaps' read), each window's share is in it too (the loop's wait is host time, which the card's queued
     work may cover). The samples are the same crops either way (the pixels within the two
@@ -664,6 +671,7 @@ class SplitTuner:
     GAIN = 1.05  # JPEGs stay on the GPU only where that sustained this much more than the workers alone
     MIX_GAIN = 1.02  # a mix stays only where it sustained this much more than every JPEG on the GPU without a wait
     MIX_STEP = 0.05  # the mix's share is a multiple of this, from MIX_STEP to 1 - MIX_STEP
+    WATCH = 2  # windows running in which the loop waited WAIT or more that start the trials after a first window kept the workers
     SETTLE = 5  # batches of a new share taken before its window starts
     FIRST = 10  # batches past the read-ahead the workers filled at the start before the first window
     MIN_FREE = 1 << 30  # bytes free on the card to try its decoder (decoded images, nvJPEG's buffers)
@@ -681,6 +689,8 @@ class SplitTuner:
         self.rates: dict[float, float] = {}  # samples a second each share tried sustained, in the order tried
         self.gpu_waited = True  # whether the loop waited for data with every JPEG on the GPU
         self.done = False
+        self.watching = False  # the first window kept the workers; the loop's wait may still start the trials
+        self.waits = 0  # windows running, while watching, in which the loop waited WAIT or more
         self.since = 0  # batches the stream had handed out before the first one of the share now
         # (rate, batches) of a mix's first window where that would have given it back: its window then lasts twice
         # as long (a second look)
@@ -695,9 +705,15 @@ class SplitTuner:
         return lookahead + cls.FIRST + window + 2 * (lookahead + cls.SETTLE + window) + window + lookahead
 
     @property
+    def observing(self) -> bool:
+        """Whether the stream's batches still go to `observe`: while choosing, and while watching."""
+        return not self.done or self.watching
+
+    @property
     def settled_batch(self) -> int | None:
         """Batches the stream had handed out before the chosen share applied to every later one; None while
-        it is still choosing."""
+        it is still choosing (a run watching the loop's wait after its first window kept the workers has chosen
+        them, until that wait starts the trials)."""
         return self.since if self.done else None
 
     @staticmethod
@@ -723,7 +739,7 @@ class SplitTuner:
         """One batch handed out at `now`, after the loop waited `waited` s for it; `made` and `taken` are the
         stream's counts (Stream.counts) after it."""
         self.g += 1
-        if self.done or self.g < self.start_at:
+        if not self.observing or self.g < self.start_at:
             return
         if self.window is None:
             self.window = [now, made, taken, 0.0, 0, self.card() if self.card else None]
@@ -757,11 +773,19 @@ class SplitTuner:
             "have given it back)")
         sustained = f"{self.what(share)} sustained {rate:,.0f} samples/s{over}"
         if share == 0.0:  # the workers alone
+            if self.watching:  # they kept up in the first window: only the loop's own wait starts the trials now
+                self.waits = self.waits + 1 if wait >= self.WAIT else 0
+                if self.waits < self.WATCH:
+                    return
+                self.watching = self.done = False
+                return self._try(1.0, "the loop began waiting for data after the first window kept the workers: "
+                                      f"{wait:.0%} of the last {w_steps} steps ({sustained}"
+                                      + (f"; {card})" if card else ")"))
             if limited:
                 self._try(1.0, f"the loop waited for data {wait:.0%} of {w_steps} steps ({sustained}"
                                + (f"; {card})" if card else ")"))
             else:
-                self.done = True
+                self.done = self.watching = True
             return
         sustained += f" ({card})" if card else ""
         workers = self.rates[0.0]
