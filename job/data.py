@@ -655,9 +655,9 @@ class SplitTuner:
     Where the first window finds the workers keeping up, the choice holds, but the windows go on being timed: a
     shortfall of a few per cent is hidden for hundreds of steps by the read-ahead of many workers (16 workers'
     36 batches last ~450 steps at 8 % short), and a host gets busier. Where the loop waits WAIT or more in WATCH
-    windows running, the three steps start then, once (1xH100, 16 CPUs, compiled ResNet-50: the first window
-    kept the workers, the timed steps waited 8-11 % of the time for them, and 30 % of the JPEGs on the card
-    trained 7 % faster).
+    windows running, or the workers made less than SHORT of what the loop took over them, the three steps start
+    then, once (1xH100, 16 CPUs, compiled ResNet-50: the first window kept the workers, the timed steps waited
+    8-11 % of the time for them, and 30 % of the JPEGs on the card trained 7 % faster).
 
     Each step is one log line; where the trainer gives it the card's idle time between steps (`card`: a
     CardGaps' read), each window's share is in it too (the loop's wait is host time, which the card's queued
@@ -671,7 +671,8 @@ class SplitTuner:
     GAIN = 1.05  # JPEGs stay on the GPU only where that sustained this much more than the workers alone
     MIX_GAIN = 1.02  # a mix stays only where it sustained this much more than every JPEG on the GPU without a wait
     MIX_STEP = 0.05  # the mix's share is a multiple of this, from MIX_STEP to 1 - MIX_STEP
-    WATCH = 2  # windows running in which the loop waited WAIT or more that start the trials after a first window kept the workers
+    WATCH = 2  # windows judged together once a first window kept the workers: a wait or a shortfall starts the trials
+    SHORT = 0.95  # the workers making less than this share of what the loop took over WATCH windows: the limit
     SETTLE = 5  # batches of a new share taken before its window starts
     FIRST = 10  # batches past the read-ahead the workers filled at the start before the first window
     MIN_FREE = 1 << 30  # bytes free on the card to try its decoder (decoded images, nvJPEG's buffers)
@@ -690,7 +691,7 @@ class SplitTuner:
         self.gpu_waited = True  # whether the loop waited for data with every JPEG on the GPU
         self.done = False
         self.watching = False  # the first window kept the workers; the loop's wait may still start the trials
-        self.waits = 0  # windows running, while watching, in which the loop waited WAIT or more
+        self.recent: list = []  # while watching: (wait, made, taken, batches) of the last WATCH windows
         self.since = 0  # batches the stream had handed out before the first one of the share now
         # (rate, batches) of a mix's first window where that would have given it back: its window then lasts twice
         # as long (a second look)
@@ -762,9 +763,38 @@ class SplitTuner:
         if self.card:  # over the window's optimizer steps (a step may take several batches: train.accum_steps)
             a, b = w[5], self.card()
             idle = idle_share(a, b, seconds=seconds)
-        self._decide(rate, wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4], idle)
+        if self.watching:
+            return self._watch(rate, wait, made - w[1], taken - w[2], w[4], idle)
+        self._decide(rate, wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4], idle,
+                     kept=input_rate / trained if trained > 0 else 1.0)
 
-    def _decide(self, rate: float, wait: float, limited: bool, w_steps: int, idle: float | None = None) -> None:
+    def _watch(self, rate: float, wait: float, made: int, taken: int, w_steps: int, idle: float | None) -> None:
+        """A window after the first one kept the workers: the trials start where, over the last WATCH windows,
+        the loop waited WAIT or more in each, or the workers made less than SHORT of what it took (the read-ahead
+        running down: over one window's few dozen batches that is hard to tell from noise, over several it is
+        not)."""
+        self.recent = (self.recent + [(wait, made, taken, w_steps)])[-self.WATCH:]
+        if len(self.recent) < self.WATCH:
+            return
+        steps = sum(r[3] for r in self.recent)
+        kept = sum(r[1] for r in self.recent) / max(1, sum(r[2] for r in self.recent))
+        if all(r[0] >= self.WAIT for r in self.recent):
+            least = min(r[0] for r in self.recent)
+            why = (f"the loop waited for data {least:.0%} or more of each of its last {self.WATCH} windows "
+                   f"({steps} steps)")
+        elif kept < self.SHORT:
+            why = (f"the workers made {kept:.0%} of what the loop took over the last {steps} steps (its read-ahead "
+                   "running down)")
+        else:
+            return
+        self.rates[0.0] = rate
+        self.watching = self.done = False
+        card = "" if idle is None else f"; the card idle between steps {idle:.0%}"
+        self._try(1.0, f"after its first window kept the workers, {why} (the workers decoding every JPEG sustained "
+                       f"{rate:,.0f} samples/s{card})")
+
+    def _decide(self, rate: float, wait: float, limited: bool, w_steps: int, idle: float | None = None, *,
+                kept: float = 1.0) -> None:
         share = self.share
         self.rates[share] = rate
         card = "" if idle is None else f"the card idle between steps {idle:.0%}"
@@ -773,19 +803,14 @@ class SplitTuner:
             "have given it back)")
         sustained = f"{self.what(share)} sustained {rate:,.0f} samples/s{over}"
         if share == 0.0:  # the workers alone
-            if self.watching:  # they kept up in the first window: only the loop's own wait starts the trials now
-                self.waits = self.waits + 1 if wait >= self.WAIT else 0
-                if self.waits < self.WATCH:
-                    return
-                self.watching = self.done = False
-                return self._try(1.0, "the loop began waiting for data after the first window kept the workers: "
-                                      f"{wait:.0%} of the last {w_steps} steps ({sustained}"
-                                      + (f"; {card})" if card else ")"))
             if limited:
                 self._try(1.0, f"the loop waited for data {wait:.0%} of {w_steps} steps ({sustained}"
                                + (f"; {card})" if card else ")"))
-            else:
+            else:  # said once, with the window's figures; the windows go on (_watch)
                 self.done = self.watching = True
+                self.say(f"data.decode=auto: the workers kept up (they made {kept:.0%} of what the loop took over "
+                         f"{w_steps} steps, and it waited for data {wait:.0%}" + (f"; {card}" if card else "")
+                         + "): keeping them, and watching for a shortfall")
             return
         sustained += f" ({card})" if card else ""
         workers = self.rates[0.0]
