@@ -789,15 +789,20 @@ class SplitTuner:
             return
         self.rates[0.0] = rate
         self.watching = self.done = False
-        card = "" if idle is None else f"; the card idle between steps {idle:.0%}"
-        self._try(1.0, f"after its first window kept the workers, {why} (the workers decoding every JPEG sustained "
-                       f"{rate:,.0f} samples/s{card})")
+        card = self._idle_words(idle)
+        self._try(1.0, f"after its first window kept the workers, {why} ({self.what(0.0)} sustained {rate:,.0f} "
+                       "samples/s" + (f"; {card})" if card else ")"))
+
+    @staticmethod
+    def _idle_words(idle: float | None) -> str:
+        """A window's share of the card's idle time between steps, in words; "" where the trainer gives none."""
+        return "" if idle is None else f"the card idle between steps {idle:.0%}"
 
     def _decide(self, rate: float, wait: float, limited: bool, w_steps: int, idle: float | None = None, *,
                 kept: float = 1.0) -> None:
         share = self.share
         self.rates[share] = rate
-        card = "" if idle is None else f"the card idle between steps {idle:.0%}"
+        card = self._idle_words(idle)
         over = "" if self.first_look is None else (  # a mix timed on (observe): both windows, and the first's rate
             f" over {w_steps} steps ({self.first_look[0]:,.0f} over the first {self.first_look[1]}, which would "
             "have given it back)")

@@ -80,7 +80,6 @@ class _Fake:
         self.split, self.said = GpuSplit(), []
         self.tuner = SplitTuner(self.split, first_id=lambda g: 1000 + 256 * g, lookahead=6, say=self.said.append,
                                 free_bytes=lambda: free)
-
         self.t, self.made, self.taken, self.g = 0.0, 0, 0, 0
 
     def run(self, batches: int = 800):
