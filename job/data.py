@@ -635,8 +635,15 @@ class SplitTuner:
     PREFETCH_FACTOR batches), then a timed window:
 
     1. Every JPEG goes to the GPU decoder, which sustains G samples a second against the workers' W.
-    2. Where the two together would make GAIN more than the faster alone, the share G / (W + G) (to the
-       nearest MIX_STEP) gives each its part of what they make together. This is tried even where the loop
+    2. Where the two together would make GAIN more than the faster alone, a mix is tried: the share G / (W + G)
+       (to the nearest MIX_STEP), which gives each its part of what they make together, or where it is smaller,
+       the least share at which the workers make MARGIN more than the loop takes without waiting (L: what it
+       took over the workers' window, less the time it waited), rounded up to a MIX_STEP. A JPEG handed to the
+       GPU still costs a worker about HANDED of decoding it (it is read, parsed and packed: 1xH200, 16 slow
+       cores, at 20 % on the card the workers made 11 % more a busy core), so at share s they make
+       W / (1 - HANDED s), and that share is (1 - W / (MARGIN L)) / HANDED; each JPEG on the card costs the model's
+       step time there (1xH100, 16 CPUs, compiled ResNet-50 whose workers made 92-97 % of its rate: 15-30 % on
+       the card trained 0.98x synthetic, half 0.965x, 3 repeats). This is tried even where the loop
        no longer waits with every JPEG on the GPU: the GPU decoder runs on the card the model trains on, and
        the time it takes there is not the loop's wait (on 16 slow cores compiled ResNet-50 trained 4,894
        samples/s without waiting, where half of the JPEGs on the GPU made 5,900-6,000). Otherwise the choice
@@ -671,6 +678,8 @@ class SplitTuner:
     GAIN = 1.05  # JPEGs stay on the GPU only where that sustained this much more than the workers alone
     MIX_GAIN = 1.02  # a mix stays only where it sustained this much more than every JPEG on the GPU without a wait
     MIX_STEP = 0.05  # the mix's share is a multiple of this, from MIX_STEP to 1 - MIX_STEP
+    HANDED = 0.5  # the share of a worker's time a JPEG costs it that it hands to the GPU undecoded
+    MARGIN = 1.05  # a mix asks the workers for what the loop takes without waiting, and this much more
     WATCH = 2  # windows judged together once a first window kept the workers: a wait or a shortfall starts the trials
     SHORT = 0.95  # the workers making less than this share of what the loop took over WATCH windows: the limit
     SETTLE = 5  # batches of a new share taken before its window starts
@@ -691,7 +700,8 @@ class SplitTuner:
         self.gpu_waited = True  # whether the loop waited for data with every JPEG on the GPU
         self.done = False
         self.watching = False  # the first window kept the workers; the loop's wait may still start the trials
-        self.recent: list = []  # while watching: (wait, made, taken, batches) of the last WATCH windows
+        self.recent: list = []  # while watching: (wait, made, taken, batches, seconds) of the last WATCH windows
+        self.loop_rate: float | None = None  # samples a second the loop took with the workers, less its wait (L)
         self.since = 0  # batches the stream had handed out before the first one of the share now
         # (rate, batches) of a mix's first window where that would have given it back: its window then lasts twice
         # as long (a second look)
@@ -764,20 +774,24 @@ class SplitTuner:
             a, b = w[5], self.card()
             idle = idle_share(a, b, seconds=seconds)
         if self.watching:
-            return self._watch(rate, wait, made - w[1], taken - w[2], w[4], idle)
+            return self._watch(rate, wait, made - w[1], taken - w[2], w[4], idle, seconds)
+        if self.share == 0.0:
+            self.loop_rate = (taken - w[2]) / max(seconds - w[3], 1e-9)
         self._decide(rate, wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4], idle,
                      kept=input_rate / trained if trained > 0 else 1.0)
 
-    def _watch(self, rate: float, wait: float, made: int, taken: int, w_steps: int, idle: float | None) -> None:
+    def _watch(self, rate: float, wait: float, made: int, taken: int, w_steps: int, idle: float | None,
+               seconds: float) -> None:
         """A window after the first one kept the workers: the trials start where, over the last WATCH windows,
         the loop waited WAIT or more in each, or the workers made less than SHORT of what it took (the read-ahead
         running down: over one window's few dozen batches that is hard to tell from noise, over several it is
         not)."""
-        self.recent = (self.recent + [(wait, made, taken, w_steps)])[-self.WATCH:]
+        self.recent = (self.recent + [(wait, made, taken, w_steps, seconds)])[-self.WATCH:]
         if len(self.recent) < self.WATCH:
             return
         steps = sum(r[3] for r in self.recent)
-        kept = sum(r[1] for r in self.recent) / max(1, sum(r[2] for r in self.recent))
+        took = sum(r[2] for r in self.recent)
+        kept = sum(r[1] for r in self.recent) / max(1, took)
         if all(r[0] >= self.WAIT for r in self.recent):
             least = min(r[0] for r in self.recent)
             why = (f"the loop waited for data {least:.0%} or more of each of its last {self.WATCH} windows "
@@ -788,6 +802,7 @@ class SplitTuner:
         else:
             return
         self.rates[0.0] = rate
+        self.loop_rate = took / max(sum(r[4] * (1 - r[0]) for r in self.recent), 1e-9)
         self.watching = self.done = False
         card = self._idle_words(idle)
         self._try(1.0, f"after its first window kept the workers, {why} ({self.what(0.0)} sustained {rate:,.0f} "
@@ -825,15 +840,26 @@ class SplitTuner:
             if workers + rate < self.GAIN * max(workers, rate):
                 return self._end(fallback, f"{versus}: " + ("keeping it" if fallback else f"back to {self.what(0.0)}"))
             self.gpu_waited = limited
-            mix = round(rate / (rate + workers) / self.MIX_STEP) * self.MIX_STEP
-            mix = round(min(max(mix, self.MIX_STEP), 1 - self.MIX_STEP), 6)
+            mix, why = self._mix(rate, workers)
             waited = (f"and the loop still waited for data {wait:.0%}" if limited else
                       "and the loop no longer waited for data, but the GPU decodes on the card the model trains on")
-            return self._try(mix, f"{versus}, {waited}; together they make {workers + rate:,.0f}")
+            return self._try(mix, f"{versus}, {waited}; {why}")
         versus = f"{sustained} against {self.rates[fallback]:,.0f} with {self.what(fallback)}"
         if self._keeps(rate):
             return self._end(share, f"{versus}: keeping it")
         self._end(fallback, f"{versus}: back to {self.what(fallback)}")
+
+    def _mix(self, gpu: float, workers: float) -> tuple[float, str]:
+        """The share a mix tries, and why in words: G / (W + G) to the nearest MIX_STEP, or where smaller, the
+        least share at which the workers make MARGIN more than the loop takes without waiting, rounded up."""
+        share = gpu / (gpu + workers)
+        steps, why = round(share / self.MIX_STEP), f"together they make {workers + gpu:,.0f}"
+        least = (1 - workers / (self.MARGIN * self.loop_rate)) / self.HANDED if self.loop_rate else share
+        if least < share:
+            steps = math.ceil(least / self.MIX_STEP - 1e-6)
+            why = (f"the workers make {workers / self.loop_rate:.0%} of what the loop takes without waiting "
+                   f"({self.loop_rate:,.0f}), so the card takes what they fall short of")
+        return round(min(max(steps * self.MIX_STEP, self.MIX_STEP), 1 - self.MIX_STEP), 6), why
 
     def _fallback(self) -> float:
         """The share a mix gives way to: every JPEG on the GPU where that sustained GAIN more than the workers."""
