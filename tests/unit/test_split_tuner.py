@@ -215,6 +215,21 @@ def test_where_the_workers_nearly_keep_up_the_mix_gives_the_card_only_what_they_
     assert fake.shares == [0.0, 1.0, 0.5] and "together they make 4,100" in fake.said[1]
 
 
+@pytest.mark.parametrize("loop, gpu, workers, share", [
+    (None, 5100.0, 5000.0, 0.5),  # no loop rate measured: G / (W + G)
+    (7000.0, 5100.0, 5000.0, 0.5),  # W / L 0.71: (1 - 5000 / 7350) x 2 = 0.64, above G / (W + G)'s 0.505
+    (6000.0, 5100.0, 5000.0, 0.45),  # W / L 0.83: 0.41, below it: rounded up
+    (5500.0, 5100.0, 5000.0, 0.3),  # W / L 0.91: 0.268, rounded up
+    (4000.0, 5100.0, 5000.0, 0.05),  # the workers make more than the loop takes: the least mix
+    (6000.0, 9000.0, 1000.0, 0.9),  # far short: G / (W + G), at most 1 - MIX_STEP
+    (20000.0, 9900.0, 100.0, 0.95),
+])
+def test_a_mixs_share_is_the_lower_of_each_decoders_part_and_the_workers_shortfall(loop, gpu, workers, share):
+    tuner = SplitTuner(GpuSplit(), first_id=lambda g: g, lookahead=6, say=lambda line: None)
+    tuner.loop_rate = loop
+    assert tuner._mix(gpu, workers)[0] == share
+
+
 def test_the_batch_from_which_the_choice_holds_is_known_and_bounded():
     """settled_batch: the batches handed out before the chosen share applied to every later one (the last
     change's first batch); None while choosing. Three windows of WINDOW batches take SplitTuner.longest."""
