@@ -643,8 +643,8 @@ class SplitTuner:
        cores, at 20 % on the card the workers made 11 % more a busy core; a worker's CPU time alone, on 2 EPYC
        cores, 0.22-0.27: python -m job.bench.decoders), so at share s they make
        W / (1 - HANDED s), and that share is (1 - W / (MARGIN L)) / HANDED; each JPEG on the card costs the model's
-       step time there (1xH100, 16 CPUs, compiled ResNet-50 whose workers made 92-97 % of its rate: 15-30 % on
-       the card trained 0.98x synthetic, half 0.965x, 3 repeats). This is tried even where the loop
+       step time there (1xH100, 16 CPUs, compiled ResNet-50 whose workers made 93-101 % of its rate: 30 % on
+       the card trained 0.98x synthetic, half 0.965x, 3 repeats each; 15 % and 20 % 0.98x in one run each). This is tried even where the loop
        no longer waits with every JPEG on the GPU: the GPU decoder runs on the card the model trains on, and
        the time it takes there is not the loop's wait (on 16 slow cores compiled ResNet-50 trained 4,894
        samples/s without waiting, where half of the JPEGs on the GPU made 5,900-6,000). Otherwise the choice

@@ -198,7 +198,7 @@ def test_where_both_decoders_are_short_the_jpegs_are_shared_in_proportion_to_wha
 
 def test_where_the_workers_nearly_keep_up_the_mix_gives_the_card_only_what_they_fall_short_of():
     """Each JPEG on the card costs the model's step there (1xH100, 16 CPUs, compiled ResNet-50 whose workers made
-    92-97 % of its rate: 15-30 % on the card trained 0.98x synthetic, half 0.965x, 3 repeats). The workers made
+    93-101 % of its rate: 30 % on the card trained 0.98x synthetic, half 0.965x, 3 repeats each). The workers made
     5,000 samples/s where the loop, less its 8 % wait, took 5,435; a JPEG handed on undecoded still costs a worker
     half of decoding it, so 25 % on the card leaves them 5 % to spare, where G / (W + G) would try half."""
     fake = _Fake({0.0: 5000.0, 1.0: 5100.0, 0.25: 5550.0}, {0.0: 0.08, 1.0: 0.0, 0.25: 0.0}).run()
