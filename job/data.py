@@ -777,7 +777,7 @@ class SplitTuner:
         if self.watching:
             return self._watch(rate, wait, made - w[1], taken - w[2], w[4], idle, seconds)
         if self.share == 0.0:
-            self.loop_rate = (taken - w[2]) / max(seconds - w[3], 1e-9)
+            self.loop_rate = self._unwaited(taken - w[2], seconds, w[3])
         self._decide(rate, wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4], idle,
                      kept=input_rate / trained if trained > 0 else 1.0)
 
@@ -803,11 +803,16 @@ class SplitTuner:
         else:
             return
         self.rates[0.0] = rate
-        self.loop_rate = took / max(sum(r[4] * (1 - r[0]) for r in self.recent), 1e-9)
+        self.loop_rate = self._unwaited(took, sum(r[4] for r in self.recent), sum(r[0] * r[4] for r in self.recent))
         self.watching = self.done = False
         card = self._idle_words(idle)
         self._try(1.0, f"after its first window kept the workers, {why} ({self.what(0.0)} sustained {rate:,.0f} "
                        "samples/s" + (f"; {card})" if card else ")"))
+
+    @staticmethod
+    def _unwaited(taken: int, seconds: float, waited: float) -> float:
+        """L: the samples a second the loop took over `seconds`, less the `waited` of them it spent waiting for data."""
+        return taken / max(seconds - waited, 1e-9)
 
     @staticmethod
     def _idle_words(idle: float | None) -> str:
