@@ -176,8 +176,9 @@ class DataCfg:
     """imagefolder: where JPEG files are decoded: cpu (the DataLoader workers, libjpeg-turbo), gpu (the
     training GPU, batched nvJPEG; the workers read the files, and decode the part data.gpu_share leaves
     them) or auto (gpu without workers on a CUDA device; with workers, cpu to begin with, and where the
-    training loop waits for them, every JPEG moved to the GPU while the run trains, then a share for each
-    decoder in proportion to what it made, each kept only where it trained faster (a mix that would lose is
+    training loop waits for them, every JPEG moved to the GPU while the run trains, then a share on the GPU of
+    what the workers fall short of (or in proportion to what each decoder made, where that is less), each kept
+    only where it trained faster (a mix that would lose is
     timed for as long again first), one log line a step; docs/workloads.md). Either way a sample id gets the same crop; pixels differ by the
     decoders' rounding."""
     gpu_share: float = 1.0

@@ -908,11 +908,19 @@ class Trainer:
             log.info("%s", input_verdict(wait, busy, own, workers=getattr(self.batches, "workers", 0),
                                          cores=usable_cores(), ranks=self.env.world_size,
                                          gpu_share=gpu_share, choosing=gpu_share is not None and settled is None,
-                                         split=split, prefetch=bool(self.cfg.data.prefetch), card_idle=card_idle))
+                                         split=split, prefetch=bool(self.cfg.data.prefetch), card_idle=card_idle,
+                                         decode=self._decode()))
         if waited is not None and waited >= CORE_WAIT_SHOWN:
             log.info("%s", host_verdict(waited, ran, workers=getattr(self.batches, "workers", 0),
                                         nice=int(self.cfg.data.worker_nice), cores=usable_cores(),
                                         ranks=self.env.world_size))
+
+    def _decode(self) -> tuple[str, float] | None:
+        """data.decode and data.gpu_share where the run reads a folder of JPEGs on a GPU (the input line's
+        advice offers the GPU decoder from them), else None."""
+        if self.cfg.data.kind != "imagefolder" or self.device.type != "cuda":
+            return None
+        return str(self.cfg.data.decode), float(self.cfg.data.gpu_share)
 
     def close(self) -> None:
         if self.telemetry is not None:
@@ -1111,7 +1119,7 @@ def host_verdict(waited: float, ran: float | None, *, workers: int, nice: int, c
 def input_verdict(wait: float, busy: float | None, own: float | None, *, workers: int, cores: int,
                   ranks: int = 1, gpu_share: float | None = None, choosing: bool = False,
                   split: tuple[float, float, float] | None = None, prefetch: bool = False,
-                  card_idle: float | None = None) -> str:
+                  card_idle: float | None = None, decode: tuple[str, float] | None = None) -> str:
     """The run's last line when its loop waited for data: rank 0's `wait` (a share of the timed steps), the
     cores its `workers` kept busy (`busy`) and its own process did (`own`), of the `cores` it may use (every
     rank taken to load the host as rank 0 does), and the share of the JPEGs data.decode=auto moved to the GPU
@@ -1119,7 +1127,9 @@ def input_verdict(wait: float, busy: float | None, own: float | None, *, workers
     what to change. `split` (InputTimings' shares of the timed steps: taking batches from the workers,
     waiting for `move`, running it; `prefetch`: `move` ran on the prefetch thread) says where the wait went.
     `card_idle` (CardGaps: the share of the timed steps the card had nothing to run between steps) says what
-    the wait cost: where the card's queued work covered it, the card, not the input, set the pace."""
+    the wait cost: where the card's queued work covered it, the card, not the input, set the pace. `decode`
+    (data.decode and data.gpu_share, for a folder of JPEGs) words the advice where the host's cores are the
+    limit: the GPU decoder is offered only where the run did not already use it as far as it could."""
     line = f"input: the loop waited for data {wait:.0%} of the timed steps"
     if split is not None:
         take, move_wait, move_busy = split
@@ -1156,11 +1166,28 @@ def input_verdict(wait: float, busy: float | None, own: float | None, *, workers
         return line + (": the workers and the GPU decoder together are the limit (more cores per card, or smaller "
                        "files: python -m job.shrink)")
     if (busy + own) * ranks >= 0.85 * cores:
-        return line + (": the host's cores are the limit (more cores per card, smaller files: python -m job.shrink, "
-                       "or for JPEGs on a GPU data.decode=gpu data.gpu_share=0.5)")
+        return line + (": the host's cores are the limit (more cores per card, or smaller files: python -m job.shrink"
+                       + _gpu_decoder_advice(decode) + ")")
     if busy >= 0.85 * workers:
         return line + ": every worker is busy and cores are left: raise data.workers"
     return line + ": the workers are idle part of the time, waiting on the disk or on the training process"
+
+
+def _gpu_decoder_advice(decode: tuple[str, float] | None) -> str:
+    """The part of input_verdict's advice that offers the GPU decoder where a host's cores are the limit, from
+    the run's data.decode and data.gpu_share: data.decode=auto where the workers decoded every JPEG, or a
+    share on the GPU it has not measured; nothing where data.decode=auto kept the workers (it measured the
+    GPU decoder slower there), where every JPEG was on the GPU already, or where the data are not JPEGs."""
+    if decode is None:
+        return ""
+    mode, share = decode
+    if mode == "cpu":
+        return ("; or data.decode=auto, which puts on the GPU the JPEGs the workers fall short of, where that "
+                "trains faster")
+    if mode == "gpu" and share < 1:
+        return (f"; or data.decode=auto, which measures the GPU's share instead of the data.gpu_share={share:g} "
+                "set")
+    return ""
 
 
 def _cores(a: tuple | None, b: tuple | None, k: int) -> float | None:

@@ -268,8 +268,7 @@ def test_the_input_line_says_when_the_cards_queued_work_covered_the_wait():
         "; it reads its own data (data.workers=0)" + covered)
     # The card idled: the wait cost time, the usual verdict (here the host's cores)
     line = input_verdict(0.3, 15.2, 0.9, workers=16, cores=16, card_idle=0.25)
-    assert "between steps 25% of them" in line and line.endswith("python -m job.shrink, or for JPEGs on a GPU "
-                                                                 "data.decode=gpu data.gpu_share=0.5)"), line
+    assert "between steps 25% of them" in line and line.endswith("python -m job.shrink)"), line
     # A wait too small to judge against the card's (an idle share not under half of it) is not called covered
     assert "covered" not in input_verdict(0.03, 15.2, 0.9, workers=16, cores=16, card_idle=0.019)
     # Still choosing: the trials are the news, whatever the card did
@@ -358,8 +357,8 @@ def test_the_stream_says_how_much_cpu_its_workers_used():
 
 
 @pytest.mark.parametrize("busy, own, workers, cores, ranks, says", [
-    (15.2, 0.9, 16, 16, 1, "the host's cores are the limit (more cores per card, smaller files: python -m job.shrink, "
-                           "or for JPEGs on a GPU data.decode=gpu data.gpu_share=0.5)"),  # workers and the training process fill the host
+    (15.2, 0.9, 16, 16, 1, "the host's cores are the limit (more cores per card, or smaller files: python -m job.shrink)"),
+    # workers and the training process fill the host (the GPU decoder's advice: the test below)
     # data.decode=auto moved JPEGs to the GPU (the last keeps a share: see below)
     (3.7, 1.0, 7, 8, 1, "data.decode=auto put every JPEG on the GPU, where it trained faster: the GPU decoder"),
     (0.5, 1.2, 1, 2, 1, "the host's cores are the limit"),  # one worker, starved by the training process
@@ -382,6 +381,27 @@ def test_a_run_that_waited_for_data_says_what_held_it_up(busy, own, workers, cor
         assert f"; {who} {workers} worker{'s' if workers != 1 else ''} kept {busy:.1f} cores busy and the training " \
                f"process {own:.1f}, of {cores}{';' if share else ':'}" in line, line
     assert "\n" not in line
+
+
+@pytest.mark.parametrize("decode, says", [
+    (("cpu", 1.0), "; or data.decode=auto, which puts on the GPU the JPEGs the workers fall short of, where that trains faster)"),
+    (("gpu", 0.5), "; or data.decode=auto, which measures the GPU's share instead of the data.gpu_share=0.5 set)"),
+    (("gpu", 1.0), "python -m job.shrink)"),  # every JPEG on the GPU already: not offered again
+    (("auto", 1.0), "python -m job.shrink)"),  # auto kept the workers: it measured the GPU decoder slower
+    (None, "python -m job.shrink)"),  # not JPEGs, or no GPU
+])
+def test_where_the_cores_are_the_limit_the_gpu_decoder_is_offered_only_where_it_was_not_used(decode, says):
+    """Where the host's cores are the limit, the advice offers the GPU decoder from the run's data.decode and
+    data.gpu_share, never what the run already set (a run at data.decode=gpu data.gpu_share=0.5 was told to
+    set exactly that)."""
+    from job.train import input_verdict
+
+    line = input_verdict(0.31, 15.2, 0.9, workers=16, cores=16, gpu_share=0.0 if decode == ("auto", 1.0) else None,
+                         decode=decode)
+    assert ": the host's cores are the limit (more cores per card, or smaller files: python -m job.shrink" in line, line
+    assert line.endswith(says), line
+    assert "gpu_share=0.5 set" in line or "data.decode=gpu" not in line, line
+
 
 
 def test_a_run_whose_auto_decoder_split_the_jpegs_says_both_are_the_limit():
