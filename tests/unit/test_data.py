@@ -403,7 +403,6 @@ def test_where_the_cores_are_the_limit_the_gpu_decoder_is_offered_only_where_it_
     assert "gpu_share=0.5 set" in line or "data.decode=gpu" not in line, line
 
 
-
 def test_a_run_whose_auto_decoder_split_the_jpegs_says_both_are_the_limit():
     from job.train import input_verdict
 
