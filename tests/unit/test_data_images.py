@@ -19,6 +19,7 @@ from job import config
 from job.data import Data
 from job.datasets import (
     BadImage,
+    CropDraws,
     EncodedBatch,
     ImageFolder,
     SampleIndex,
@@ -29,6 +30,7 @@ from job.datasets import (
     jpeg_size,
     on_gpu,
     random_resized_crop,
+    read_file,
     sample_seed,
 )
 
@@ -132,7 +134,7 @@ def test_the_crops_are_torchvisions_random_resized_crop_draw_for_draw():
 
     from torchvision.transforms import RandomResizedCrop
 
-    rng, g = random.Random(25), torch.Generator()
+    rng, g, draws = random.Random(25), torch.Generator(), CropDraws()
     shapes = [(rng.randint(1, 700), rng.randint(1, 700)) for _ in range(2000)] + [(1, 600), (600, 1), (3, 3)]
     fallbacks = 0
     for h, w in shapes:
@@ -142,6 +144,8 @@ def test_the_crops_are_torchvisions_random_resized_crop_draw_for_draw():
         their_flip = bool(torch.rand(()) < 0.5)
         ours = random_resized_crop(g.manual_seed(seed), h, w)
         assert (ours, bool(torch.rand((), generator=g) < 0.5)) == (tuple(theirs), their_flip), (h, w, seed)
+        # crop_of's way: the draws land in tensors kept from sample to sample
+        assert (random_resized_crop(g.manual_seed(seed), h, w, draws=draws), draws.flip(g)) == (ours, their_flip)
         fallbacks += ours[0] == (h - ours[2]) // 2 and ours[1] == (w - ours[3]) // 2 and (h < 4 or w < 4)
     assert fallbacks >= 3  # the thin shapes took the fallback path
 
@@ -398,6 +402,24 @@ def test_a_damaged_jpeg_is_one_line_naming_it_with_either_decoder(tmp_path):
     index = next(i for i, (p, _) in enumerate(ds.samples) if p == str(garbage))
     with pytest.raises(BadImage, match=f"cannot read image {garbage}"):
         ds[index]
+
+
+def test_the_workers_read_each_file_whole_and_name_one_they_cannot(tmp_path):
+    """read_file (into a buffer of the file's size, which the sample's tensor then shares) gives the file's
+    bytes; an empty file and one removed after the folder was listed are one line naming the file."""
+    root = make_folder(tmp_path / "imgs")
+    files = sorted(root.rglob("*.*"))
+    for f in files:
+        assert read_file(str(f)) == f.read_bytes()
+    ds = ImageFolder(root, image_size=16, num_classes=2, decode="gpu")
+    empty, gone = (Path(p) for p, _ in ds.samples[:2])
+    empty.write_bytes(b"")
+    gone.unlink()
+    with pytest.raises(BadImage, match=f"cannot read image {empty} "):
+        ds[0]
+    with pytest.raises(BadImage) as e:
+        ds[1]
+    assert str(e.value) == f"cannot read image {gone} (No such file or directory); fix or remove the file"
 
 
 def test_image_size_of_reads_the_size_pillow_reads_from_the_header(tmp_path):
