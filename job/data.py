@@ -642,7 +642,7 @@ class SplitTuner:
        measured and shorter, over the time the card was busy), rounded up to a MIX_STEP. A JPEG handed to the
        GPU still costs a worker about HANDED of decoding it (it is read, parsed and packed: 1xH200, 16 slow
        cores, at 20 % on the card the workers made 11 % more a busy core; a worker's CPU time alone, on 2 EPYC
-       cores, 0.22-0.27: python -m job.bench.decoders), so at share s they make
+       cores, 0.22-0.27 over 2 batches of 256, 0.11 over 10 of 128: python -m job.bench.decoders), so at share s they make
        W / (1 - HANDED s), and that share is (1 - W / (MARGIN L)) / HANDED; each JPEG on the card costs the model's
        step time there (1xH100, 16 CPUs, compiled ResNet-50 whose workers made 93-101 % of its rate: 30 % on
        the card trained 0.98x synthetic, half 0.965x, 3 repeats each; 15 % and 20 % 0.98x in one run each). This is tried even where the loop
