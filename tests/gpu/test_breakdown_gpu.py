@@ -2,7 +2,7 @@
 
 Another process (job.bench.tenant.Tenant: `torch.empty(N, dtype=torch.uint8, device="cuda:0")`, kept alive)
 holds 50 GB of card 0 while the trainer runs the lm on it. Then, in summary.json's memory_breakdown and in the
-live series: "other processes" within 2 % of what the tenant holds; parameters, gradients and optimizer state
+live series: "other processes" what the tenant holds and at most a CUDA context more; parameters, gradients and optimizer state
 within 1 % of their exact byte counts (the model counted on the meta device); the kinds but free and
 unattributed within 3 % of NVML's used; and, under memory.cap_gb, headroom and free against the cap. The cost:
 one breakdown, in process, against the steps it is amortised over. On two cards, dp's card 0 holds the
@@ -58,10 +58,18 @@ def _env() -> dict[str, str]:
     return {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]}
 
 
+def _check_tenant(kinds: dict, tenant: Tenant, why) -> None:
+    """"other processes" is the tenant: its tensor and a CUDA context of its own, no larger than the trainer's
+    (1xH100, 30 GB: 641 MB over the tensor against the trainer's 795 MB; 2 % of the tensor, the bound before,
+    holds for 50 GB on an H200, not for 30 on an H100)."""
+    held = tenant.gb * 1e9
+    assert held <= kinds["other_processes"] <= held + kinds["cuda_context"], why
+
+
 def _check_card(row: dict, tenant: Tenant) -> None:
     k, why = row["kinds"], f"{row}"
     weights, params = _exact_bytes()
-    assert k["other_processes"] == pytest.approx(tenant.gb * 1e9, rel=0.02), why
+    _check_tenant(k, tenant, why)
     assert tenant.pid in {p["pid"] for p in row["other_processes"]}, why
     assert k["parameters"] == pytest.approx(weights, rel=0.01), why
     assert k["gradients"] == pytest.approx(params, rel=0.01), why
@@ -116,7 +124,7 @@ def test_live_series_meet_the_targets_with_a_tenant(tmp_path, tenant):
     (uuid,) = {dict(lab)["uuid"] for (n, lab), _ in got.items() if n == "trainjob_memory_breakdown_bytes"}
     (total,) = [v for (n, lab), v in got.items() if n == "trainjob_gpu_memory_total_bytes" and dict(lab)["uuid"] == uuid]
     weights, params = _exact_bytes()
-    assert kinds["other_processes"] == pytest.approx(tenant.gb * 1e9, rel=0.02), kinds
+    _check_tenant(kinds, tenant, kinds)
     assert kinds["parameters"] == pytest.approx(weights, rel=0.01), kinds
     assert kinds["optimizer_state"] == pytest.approx(2 * params, rel=0.01), kinds
     assert sum(kinds.values()) == pytest.approx(total, rel=0.01), (kinds, total)  # joins NVML's total by uuid
