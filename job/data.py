@@ -643,7 +643,7 @@ class SplitTuner:
        GPU still costs a worker about HANDED of decoding it (it is read, parsed and packed: 1xH200, 16 slow
        cores, at 20 % on the card the workers made 11 % more a busy core; a worker's CPU time alone, on 2 EPYC
        cores, 0.22-0.27 over 2 batches of 256, 0.11 over 10 of 128: python -m job.bench.decoders), so at share s they make
-       W / (1 - HANDED s), and that share is (1 - W / (MARGIN L)) / HANDED; each JPEG on the card costs the model's
+       W / (1 - (1 - HANDED) s), and that share is (1 - W / (MARGIN L)) / (1 - HANDED); each JPEG on the card costs the model's
        step time there (1xH100, 16 CPUs, compiled ResNet-50 whose workers made 93-101 % of its rate: 30 % on
        the card trained 0.98x synthetic, half 0.965x, 3 repeats each; 15 % and 20 % 0.98x in one run each). This is tried even where the loop
        no longer waits with every JPEG on the GPU: the GPU decoder runs on the card the model trains on, and
@@ -870,7 +870,7 @@ class SplitTuner:
         least share at which the workers make MARGIN more than the loop takes without waiting, rounded up."""
         share = gpu / (gpu + workers)
         steps, why = round(share / self.MIX_STEP), f"together they make {workers + gpu:,.0f}"
-        least = (1 - workers / (self.MARGIN * self.loop_rate)) / self.HANDED if self.loop_rate else share
+        least = (1 - workers / (self.MARGIN * self.loop_rate)) / (1 - self.HANDED) if self.loop_rate else share
         if least < share:
             steps = math.ceil(least / self.MIX_STEP - 1e-6)
             why = (f"the workers make {workers / self.loop_rate:.0%} of what the loop takes without waiting "
