@@ -1,12 +1,12 @@
 """Issue 28's targets on a real card (run on the lent GPU machine; skipped without CUDA).
 
 Another process (job.bench.tenant.Tenant: `torch.empty(N, dtype=torch.uint8, device="cuda:0")`, kept alive)
-holds 50 GB of card 0 while the trainer runs the lm on it. Then, in summary.json's memory_breakdown and in the
-live series: "other processes" what the tenant holds and at most a CUDA context more; parameters, gradients and optimizer state
-within 1 % of their exact byte counts (the model counted on the meta device); the kinds but free and
-unattributed within 3 % of NVML's used; and, under memory.cap_gb, headroom and free against the cap. The cost:
-one breakdown, in process, against the steps it is amortised over. On two cards, dp's card 0 holds the
-optimizer state and the gradients that card 1 lacks.
+holds 50 GB of card 0 (35 % of a smaller card) while the trainer runs the lm on it. Then, in summary.json's
+memory_breakdown and in the live series: "other processes" what the tenant holds and at most a CUDA context
+more; parameters, gradients and optimizer state within 1 % of their exact byte counts (the model counted on the
+meta device); the kinds but free and unattributed within 3 % of NVML's used; and, under memory.cap_gb,
+headroom and free against the cap. The cost: one breakdown, in process, against the steps it is amortised
+over. On two cards, dp's card 0 holds the optimizer state and the gradients that card 1 lacks.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ def _env() -> dict[str, str]:
 
 
 def _check_tenant(kinds: dict, tenant: Tenant, why) -> None:
-    """"other processes" is the tenant: its tensor and a CUDA context of its own, no larger than the trainer's
-    (1xH100, 30 GB: 641 MB over the tensor against the trainer's 795 MB; 2 % of the tensor, the bound before,
-    holds for 50 GB on an H200, not for 30 on an H100)."""
+    """The kind "other processes" is the tenant: its tensor and a CUDA context of its own, no larger than the
+    trainer's (1xH100, 30 GB: 641 MB over the tensor against the trainer's 795 MB; 2 % of the tensor, the bound
+    before, holds for 50 GB on an H200, not for 30 on an H100)."""
     held = tenant.gb * 1e9
     assert held <= kinds["other_processes"] <= held + kinds["cuda_context"], why
 
