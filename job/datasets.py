@@ -354,16 +354,13 @@ class ImageFolder:
             return (h - side) // 2, (w - side) // 2, side, side, False
         import torch
 
-        seed = sample_seed(index)
-        if seed is None:  # a plain index: torchvision's behaviour, the process's RNG
-            return (*random_resized_crop(torch.default_generator, h, w),
-                    bool(torch.rand((), generator=torch.default_generator) < 0.5))
-        # A generator of this process's own, re-seeded per sample (the process's RNG untouched), and the
-        # one-element tensors its draws land in, made once.
-        if self._rng is None:
+        if self._rng is None:  # the one-element tensors the draws land in, and a generator of this process's own
             self._rng = torch.Generator(), CropDraws()
-        g, draws = self._rng
-        g.manual_seed(seed)
+        own, draws = self._rng
+        seed = sample_seed(index)
+        # A plain index: torchvision's behaviour, the process's RNG; else the own generator, re-seeded per
+        # sample (the process's RNG untouched).
+        g = torch.default_generator if seed is None else own.manual_seed(seed)
         return (*random_resized_crop(g, h, w, draws=draws), draws.flip(g))
 
     def __getitem__(self, index):
