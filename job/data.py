@@ -551,6 +551,8 @@ class Stream:
         self.pids = list(pids or [])
         self.tuner = tuner
         self.timings = timings
+        if tuner is not None and self.pids:
+            tuner.cpu = self.worker_cpu_s  # each window's line says how many cores the workers kept busy
 
     def __iter__(self):
         return self
@@ -670,7 +672,9 @@ class SplitTuner:
 
     Each step is one log line; where the trainer gives it the card's idle time between steps (`card`: a
     CardGaps' read), each window's share is in it too (the loop's wait is host time, which the card's queued
-    work may cover). The samples are the same crops either way (the pixels within the two
+    work may cover), and where the stream reads the workers' CPU time (`cpu`), the cores they kept busy (1xH100,
+    16 CPUs, 16 workers: 13.5-14 cores while the loop waited for them; the training process and a child of
+    it took the rest). The samples are the same crops either way (the pixels within the two
     decoders' rounding); a resumed run chooses again. `settled_batch` says from which batch the choice
     holds; `longest` bounds how many batches choosing can take."""
 
@@ -698,6 +702,8 @@ class SplitTuner:
         self.start_at = self.lookahead + self.FIRST
         self.window: list | None = None  # [time, made, taken, seconds waited, batches, card's read] at its start
         self.card = None  # () -> the card's idle time between steps (a CardGaps' Reading), or None
+        self.cpu = None  # () -> CPU seconds the workers have used (Stream.worker_cpu_s), or None
+        self.cores: float | None = None  # cores the workers kept busy over the last window timed, where `cpu` says
         self.rates: dict[float, float] = {}  # samples a second each share tried sustained, in the order tried
         self.gpu_waited = True  # whether the loop waited for data with every JPEG on the GPU
         self.done = False
@@ -755,7 +761,8 @@ class SplitTuner:
         if not self.observing or self.g < self.start_at:
             return
         if self.window is None:
-            self.window = [now, made, taken, 0.0, 0, self.card() if self.card else None]
+            self.window = [now, made, taken, 0.0, 0, self.card() if self.card else None,
+                           (now, self.cpu() if self.cpu else None)]
             return
         w = self.window
         w[3] += waited
@@ -775,6 +782,7 @@ class SplitTuner:
         if self.card:  # over the window's optimizer steps (a step may take several batches: train.accum_steps)
             a, b = w[5], self.card()
             idle = idle_share(a, b, seconds=seconds)
+        self.cores = self._cores(w[6], now)
         if self.watching:
             return self._watch(rate, wait, made - w[1], taken - w[2], w[4], idle, seconds)
         if self.share == 0.0:
@@ -809,7 +817,7 @@ class SplitTuner:
         idle_all = None if None in idles else sum(i * r[4] for i, r in zip(idles, self.recent)) / span
         self.loop_rate = self._unwaited(took, span, sum(r[0] * r[4] for r in self.recent), idle_all)
         self.watching = self.done = False
-        card = self._idle_words(idle)
+        card = self._window_words(idle)
         self._try(1.0, f"after its first window kept the workers, {why} ({self.what(0.0)} sustained {rate:,.0f} "
                        "samples/s" + (f"; {card})" if card else ")"))
 
@@ -824,16 +832,23 @@ class SplitTuner:
         rate = taken / max(seconds - waited, 1e-9)
         return rate if idle is None else min(rate, taken / max(seconds * (1 - idle), 1e-9))
 
-    @staticmethod
-    def _idle_words(idle: float | None) -> str:
-        """A window's share of the card's idle time between steps, in words; "" where the trainer gives none."""
-        return "" if idle is None else f"the card idle between steps {idle:.0%}"
+    def _cores(self, start: tuple, now: float) -> float | None:
+        """Cores the workers kept busy from `start` ((time, their CPU seconds then)) to `now`; None without both."""
+        used = self.cpu() if self.cpu and start[1] is not None else None
+        return None if used is None or now <= start[0] else (used - start[1]) / (now - start[0])
+
+    def _window_words(self, idle: float | None) -> str:
+        """The last window's cores the workers kept busy and share of the card's idle time between steps, in
+        words; "" where the stream gives neither. Fewer cores than workers while the loop waits: the host gave
+        them no more (other processes, the training process's own threads)."""
+        words = [] if self.cores is None else [f"the workers busy on {self.cores:.1f} cores"]
+        return "; ".join(words + ([] if idle is None else [f"the card idle between steps {idle:.0%}"]))
 
     def _decide(self, rate: float, wait: float, limited: bool, w_steps: int, idle: float | None = None, *,
                 kept: float = 1.0) -> None:
         share = self.share
         self.rates[share] = rate
-        card = self._idle_words(idle)
+        card = self._window_words(idle)
         over = "" if self.first_look is None else (  # a mix timed on (observe): both windows, and the first's rate
             f" over {w_steps} steps ({self.first_look[0]:,.0f} over the first {self.first_look[1]}, which would "
             "have given it back)")

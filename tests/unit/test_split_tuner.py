@@ -3,6 +3,7 @@
 runs here on the CPU (the same libjpeg-turbo), so the samples can be compared exactly."""
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -175,6 +176,38 @@ def test_the_training_stream_feeds_a_watching_tuner_and_not_one_that_has_chosen_
     next(stream)
     assert tuner.g == 2
 
+
+
+def test_each_window_says_how_many_cores_the_workers_kept_busy_where_the_stream_reads_their_cpu_time():
+    """The stream gives the tuner its workers' CPU seconds (Stream.worker_cpu_s, /proc): each line says the
+    cores they kept busy over its window (here 12 while they decode every JPEG, 6 once the GPU decodes); the
+    choice is the same as without it. A real stream with workers wires it up; one without pids leaves it off."""
+    plain = _Fake(*_two_decoders(2250.0, 5600.0, 6600.0)).run()
+    fake = _Fake(*_two_decoders(2250.0, 5600.0, 6600.0))
+    used = [0.0, 0.0]  # CPU seconds, the fake clock when last read
+
+    def cpu():
+        cores = 12.0 if fake.split.share_for(1000 + 256 * fake.g) == 0.0 else 6.0
+        used[0] += cores * (fake.t - used[1])
+        used[1] = fake.t
+        return used[0]
+
+    fake.tuner.cpu = cpu
+    fake.run()
+    assert fake.shares == plain.shares == [0.0, 1.0, 0.7]
+    assert fake.said[0].startswith("data.decode=auto: the loop waited for data 66% of 40 steps (the workers decoding "
+                                   "every JPEG sustained 2,250 samples/s; the workers busy on 12.0 cores); trying")
+    assert "sustained 5,600 samples/s (the workers busy on 6.0 cores) against 2,250" in fake.said[1]
+    assert [line.replace("; the workers busy on 12.0 cores", "").replace(" (the workers busy on 6.0 cores)", "")
+            for line in fake.said] == plain.said
+
+    batch = (torch.zeros(4, 3), torch.zeros(4))
+    tuner = SplitTuner(GpuSplit(), first_id=lambda g: 4 * g, lookahead=6, say=lambda line: None)
+    stream = data.Stream(iter([batch]), torch.zeros(1, dtype=torch.int64), pids=[os.getpid()], tuner=tuner)
+    assert tuner.cpu == stream.worker_cpu_s and tuner.cpu() > 0
+    tuner = SplitTuner(GpuSplit(), first_id=lambda g: 4 * g, lookahead=6, say=lambda line: None)
+    data.Stream(iter([batch]), torch.zeros(1, dtype=torch.int64), tuner=tuner)
+    assert tuner.cpu is None
 
 def test_where_both_decoders_are_short_the_jpegs_are_shared_in_proportion_to_what_each_makes():
     """8 cores a card under compiled ResNet-50: the workers make 2,250 a second, the GPU 5,600, the model trains
