@@ -673,10 +673,11 @@ class SplitTuner:
     Each step is one log line; where the trainer gives it the card's idle time between steps (`card`: a
     CardGaps' read), each window's share is in it too (the loop's wait is host time, which the card's queued
     work may cover), and where the stream reads the workers' CPU time (`cpu`), the cores they kept busy (1xH100,
-    16 CPUs, 16 workers: 13.5-14 cores while the loop waited for them; the training process and a child of
-    it took the rest). The samples are the same crops either way (the pixels within the two
-    decoders' rounding); a resumed run chooses again. `settled_batch` says from which batch the choice
-    holds; `longest` bounds how many batches choosing can take."""
+    16 CPUs, 16 workers under compiled ResNet-50: 12.5-13.9 cores in the first window, the training process on
+    about one, Inductor's compile helper on one more for its first 9-13 s, every core busy). The samples are
+    the same crops either way (the pixels within the two decoders' rounding); a resumed run chooses again.
+    `settled_batch` says from which batch the choice holds; `longest` bounds how many batches choosing can
+    take."""
 
     WINDOW = 40  # batches a window times, at least
     WINDOW_S = 2.0  # seconds a window lasts, at least (a model of very short steps: enough of them to time)
@@ -700,7 +701,8 @@ class SplitTuner:
         self.g = 0  # batches the stream has handed out
         self.share = 0.0  # the share of the JPEGs on the GPU now (the last change's, once the workers reach it)
         self.start_at = self.lookahead + self.FIRST
-        self.window: list | None = None  # [time, made, taken, seconds waited, batches, card's read] at its start
+        # [time, made, taken, seconds waited, batches, card's read, (time, workers' CPU seconds)] at its start
+        self.window: list | None = None
         self.card = None  # () -> the card's idle time between steps (a CardGaps' Reading), or None
         self.cpu = None  # () -> CPU seconds the workers have used (Stream.worker_cpu_s), or None
         self.cores: float | None = None  # cores the workers kept busy over the last window timed, where `cpu` says

@@ -177,7 +177,6 @@ def test_the_training_stream_feeds_a_watching_tuner_and_not_one_that_has_chosen_
     assert tuner.g == 2
 
 
-
 def test_each_window_says_how_many_cores_the_workers_kept_busy_where_the_stream_reads_their_cpu_time():
     """The stream gives the tuner its workers' CPU seconds (Stream.worker_cpu_s, /proc): each line says the
     cores they kept busy over its window (here 12 while they decode every JPEG, 6 once the GPU decodes); the
@@ -208,6 +207,7 @@ def test_each_window_says_how_many_cores_the_workers_kept_busy_where_the_stream_
     tuner = SplitTuner(GpuSplit(), first_id=lambda g: 4 * g, lookahead=6, say=lambda line: None)
     data.Stream(iter([batch]), torch.zeros(1, dtype=torch.int64), tuner=tuner)
     assert tuner.cpu is None
+
 
 def test_where_both_decoders_are_short_the_jpegs_are_shared_in_proportion_to_what_each_makes():
     """8 cores a card under compiled ResNet-50: the workers make 2,250 a second, the GPU 5,600, the model trains
