@@ -701,11 +701,11 @@ class SplitTuner:
         self.g = 0  # batches the stream has handed out
         self.share = 0.0  # the share of the JPEGs on the GPU now (the last change's, once the workers reach it)
         self.start_at = self.lookahead + self.FIRST
-        # [time, made, taken, seconds waited, batches, card's read, (time, workers' CPU seconds)] at its start
+        # [time, made, taken, seconds waited, batches, card's read, the workers' CPU mark] at its start (the
+        # mark's own time: `exclude` moves the first)
         self.window: list | None = None
         self.card = None  # () -> the card's idle time between steps (a CardGaps' Reading), or None
         self.cpu = None  # () -> CPU seconds the workers have used (Stream.worker_cpu_s), or None
-        self.cores: float | None = None  # cores the workers kept busy over the last window timed, where `cpu` says
         self.rates: dict[float, float] = {}  # samples a second each share tried sustained, in the order tried
         self.gpu_waited = True  # whether the loop waited for data with every JPEG on the GPU
         self.done = False
@@ -763,8 +763,7 @@ class SplitTuner:
         if not self.observing or self.g < self.start_at:
             return
         if self.window is None:
-            self.window = [now, made, taken, 0.0, 0, self.card() if self.card else None,
-                           (now, self.cpu() if self.cpu else None)]
+            self.window = [now, made, taken, 0.0, 0, self.card() if self.card else None, self._cpu_mark(now)]
             return
         w = self.window
         w[3] += waited
@@ -784,16 +783,16 @@ class SplitTuner:
         if self.card:  # over the window's optimizer steps (a step may take several batches: train.accum_steps)
             a, b = w[5], self.card()
             idle = idle_share(a, b, seconds=seconds)
-        self.cores = self._cores(w[6], now)
+        cores = per_second(w[6], self._cpu_mark(now), 1)
         if self.watching:
-            return self._watch(rate, wait, made - w[1], taken - w[2], w[4], idle, seconds)
+            return self._watch(rate, wait, made - w[1], taken - w[2], w[4], idle, seconds, cores)
         if self.share == 0.0:
             self.loop_rate = self._unwaited(taken - w[2], seconds, w[3], idle)
         self._decide(rate, wait, wait >= self.WAIT or input_rate < 0.93 * trained, w[4], idle,
-                     kept=input_rate / trained if trained > 0 else 1.0)
+                     kept=input_rate / trained if trained > 0 else 1.0, cores=cores)
 
     def _watch(self, rate: float, wait: float, made: int, taken: int, w_steps: int, idle: float | None,
-               seconds: float) -> None:
+               seconds: float, cores: float | None) -> None:
         """A window after the first one kept the workers: the trials start where, over the last WATCH windows,
         the loop waited WAIT or more in each, or the workers made less than SHORT of what it took (the read-ahead
         running down: over one window's few dozen batches that is hard to tell from noise, over several it is
@@ -819,7 +818,7 @@ class SplitTuner:
         idle_all = None if None in idles else sum(i * r[4] for i, r in zip(idles, self.recent)) / span
         self.loop_rate = self._unwaited(took, span, sum(r[0] * r[4] for r in self.recent), idle_all)
         self.watching = self.done = False
-        card = self._window_words(idle)
+        card = self._window_words(idle, cores)
         self._try(1.0, f"after its first window kept the workers, {why} ({self.what(0.0)} sustained {rate:,.0f} "
                        "samples/s" + (f"; {card})" if card else ")"))
 
@@ -834,23 +833,23 @@ class SplitTuner:
         rate = taken / max(seconds - waited, 1e-9)
         return rate if idle is None else min(rate, taken / max(seconds * (1 - idle), 1e-9))
 
-    def _cores(self, start: tuple, now: float) -> float | None:
-        """Cores the workers kept busy from `start` ((time, their CPU seconds then)) to `now`; None without both."""
-        used = self.cpu() if self.cpu and start[1] is not None else None
-        return None if used is None or now <= start[0] else (used - start[1]) / (now - start[0])
+    def _cpu_mark(self, now: float) -> tuple:
+        """(now, the CPU seconds the workers have used, or None where the stream does not read them)."""
+        return now, self.cpu() if self.cpu else None
 
-    def _window_words(self, idle: float | None) -> str:
-        """The last window's cores the workers kept busy and share of the card's idle time between steps, in
-        words; "" where the stream gives neither. Fewer cores than workers while the loop waits: the host gave
-        them no more (other processes, the training process's own threads)."""
-        words = [] if self.cores is None else [f"the workers busy on {self.cores:.1f} cores"]
+    @staticmethod
+    def _window_words(idle: float | None, cores: float | None) -> str:
+        """A window's cores the workers kept busy and share of the card's idle time between steps, in words; ""
+        where the stream gives neither. Fewer cores than workers while the loop waits: the host gave them no
+        more (other processes, the training process's own threads)."""
+        words = [] if cores is None else [f"the workers busy on {cores:.1f} cores"]
         return "; ".join(words + ([] if idle is None else [f"the card idle between steps {idle:.0%}"]))
 
     def _decide(self, rate: float, wait: float, limited: bool, w_steps: int, idle: float | None = None, *,
-                kept: float = 1.0) -> None:
+                kept: float = 1.0, cores: float | None = None) -> None:
         share = self.share
         self.rates[share] = rate
-        card = self._window_words(idle)
+        card = self._window_words(idle, cores)
         over = "" if self.first_look is None else (  # a mix timed on (observe): both windows, and the first's rate
             f" over {w_steps} steps ({self.first_look[0]:,.0f} over the first {self.first_look[1]}, which would "
             "have given it back)")
@@ -929,6 +928,14 @@ class SplitTuner:
         self.share, self.since = share, self.g + self.lookahead
         self.start_at = self.g + self.lookahead + self.SETTLE
         self.say(f"data.decode=auto: {why}; trying {self.what(share)} from sample {first:,}")
+
+
+def per_second(a: tuple | None, b: tuple | None, k: int) -> float | None:
+    """A count's rate between two marks (time first): (b[k] - a[k]) over the seconds between them, e.g. the cores
+    CPU seconds kept busy; None without both marks or both counts."""
+    if a is None or b is None or b[0] <= a[0] or len(a) <= k or a[k] is None or b[k] is None:
+        return None
+    return (b[k] - a[k]) / (b[0] - a[0])
 
 
 def process_cpu_s(pid: int) -> float | None:

@@ -30,7 +30,7 @@ from job import checkpoint as ckpt
 from job import workload as wl
 from job.cardgaps import CardGaps, Reading, idle_share
 from job.config import summary
-from job.data import BatchFailed, Data, SplitTuner, process_cpu_s, take_or_stop, thread_sched_s
+from job.data import BatchFailed, Data, SplitTuner, per_second, process_cpu_s, take_or_stop, thread_sched_s
 from job.devices import usable_cores
 from job.errors import EXIT_INTERRUPTED, EXIT_OK, PeerUsageError, UsageError
 from job.evaluate import Evaluator
@@ -754,7 +754,7 @@ class Trainer:
         counts = getattr(self.batches, "counts", None)  # a stream with DataLoader workers (job.data.Stream)
         made, taken = counts() if counts is not None else (None, None)
         mark, self._workers_mark = self._workers_mark, _workers_cpu(self.batches)
-        busy = _cores(mark, self._workers_mark, 1)  # the workers' cores since the last line
+        busy = per_second(mark, self._workers_mark, 1)  # the workers' cores since the last line
         gaps, self._gaps_mark = self._gaps_mark, self.gaps.read()
         idle = idle_share(gaps, self._gaps_mark, steps=steps, seconds=seconds) if self.gaps.on else None
         waited = ""
@@ -1061,15 +1061,15 @@ class _Clock:
         seconds = self.t1 - self.t0 - self.excluded
         wait = self.waited / seconds if seconds > 0 else None
         a, b = self.workers
-        split = tuple(_cores(a, b, k) for k in (3, 4, 5))
-        return wait, _cores(a, b, 1), _cores(a, b, 2), None if None in split else split
+        split = tuple(per_second(a, b, k) for k in (3, 4, 5))
+        return wait, per_second(a, b, 1), per_second(a, b, 2), None if None in split else split
 
     def host(self) -> tuple[float | None, float | None]:
         """(the share of the timed steps the training thread ran on a core, the share it was ready to run but
         waited for one: the host's other work had the cores); None without the kernel's scheduler statistics.
         Over the steps' wall time, pauses included (marks are taken on the training thread)."""
         a, b = self.thread
-        return _cores(a, b, 1), _cores(a, b, 2)
+        return per_second(a, b, 1), per_second(a, b, 2)
 
     def card_idle(self) -> float | None:
         """The share of the timed steps the card had nothing to run between steps (CardGaps); None on a CPU, or
@@ -1188,14 +1188,6 @@ def _gpu_decoder_advice(decode: tuple[str, float] | None) -> str:
         return (f"; or data.decode=auto, which measures the GPU's share instead of the data.gpu_share={share:g} "
                 "set")
     return ""
-
-
-def _cores(a: tuple | None, b: tuple | None, k: int) -> float | None:
-    """Cores busy between two _workers_cpu marks: the CPU seconds at index k (1: the workers', 2: this
-    process's) over the seconds between them; None without both marks."""
-    if a is None or b is None or b[0] <= a[0] or len(a) <= k or a[k] is None or b[k] is None:
-        return None
-    return (b[k] - a[k]) / (b[0] - a[0])
 
 
 def _thread_mark() -> tuple | None:
