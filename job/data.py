@@ -22,6 +22,7 @@ read, before the run writes anything; a file that fails later stops the run with
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import math
@@ -403,7 +404,7 @@ def _loader(name: str, ds, batch_sampler, *, workers: int, device: torch.device,
     if made is None:
         return stream
     return Stream(stream, made, pids=[int(w.pid) for w in getattr(it, "_workers", []) if w.pid is not None],
-                  tuner=tuner, timings=timings)
+                  tuner=tuner, timings=timings, loader_it=it)
 
 
 class BatchFailed(Exception):
@@ -546,13 +547,17 @@ class Stream:
     loop's own rate: the bench's real-data rows use it to report the rate a run sustains."""
 
     def __init__(self, it, made: torch.Tensor, pids: list[int] | None = None, tuner: SplitTuner | None = None,
-                 timings: InputTimings | None = None):
+                 timings: InputTimings | None = None, loader_it=None):
         self.it, self.made, self.taken = it, made, 0
         self.pids = list(pids or [])
         self.tuner = tuner
         self.timings = timings
+        self._loader_it = loader_it  # the DataLoader's iterator, whose workers `close` stops
         if tuner is not None and self.pids:
-            tuner.cpu = self.worker_cpu_s  # each window's line says how many cores the workers kept busy
+            # each window's line says how many cores the workers kept busy. The pids, not a method of this
+            # stream: that cycle kept the stream and its workers past the trainer's `del` (docs/benchmarks.md's
+            # Known issues: runs from JPEGs on a card exited 80 s late).
+            tuner.cpu = functools.partial(workers_cpu_s, tuple(self.pids))
 
     def __iter__(self):
         return self
@@ -608,13 +613,25 @@ class Stream:
     def worker_cpu_s(self) -> float | None:
         """CPU seconds (user + system) the workers have used since they started, from /proc; None where the
         system has no /proc or a worker's entry cannot be read."""
-        total = 0.0
-        for pid in self.pids:
-            used = process_cpu_s(pid)
-            if used is None:
-                return None
-            total += used
-        return total if self.pids else None
+        return workers_cpu_s(self.pids)
+
+    def close(self) -> None:
+        """Stop the workers now (the trainer's close), not whenever the stream is freed."""
+        if self._loader_it is not None:
+            _stop_workers(self._loader_it)
+            self._loader_it = None
+
+
+def workers_cpu_s(pids) -> float | None:
+    """CPU seconds (user + system) processes `pids` have used, from /proc; None where there are none, the system
+    has no /proc, or an entry cannot be read."""
+    total = 0.0
+    for pid in pids:
+        used = process_cpu_s(pid)
+        if used is None:
+            return None
+        total += used
+    return total if pids else None
 
 
 def tuner_lookahead(workers: int, depth: int = 1) -> int:
@@ -705,7 +722,7 @@ class SplitTuner:
         # mark's own time: `exclude` moves the first)
         self.window: list | None = None
         self.card = None  # () -> the card's idle time between steps (a CardGaps' Reading), or None
-        self.cpu = None  # () -> CPU seconds the workers have used (Stream.worker_cpu_s), or None
+        self.cpu = None  # () -> CPU seconds the workers have used (workers_cpu_s), or None
         self.rates: dict[float, float] = {}  # samples a second each share tried sustained, in the order tried
         self.gpu_waited = True  # whether the loop waited for data with every JPEG on the GPU
         self.done = False

@@ -927,6 +927,9 @@ class Trainer:
             self.telemetry.close()
         self.strategy.teardown()
         self.data.close()
+        stop = getattr(self.batches, "close", None)  # the training stream's workers (a generator's close: ends it)
+        if stop is not None:
+            stop()
         # This order exits cleanly; others aborted at exit in 4 runs of 10 (two gloo ranks, measured).
         del self.model, self.optimizer, self.batches
         gc.collect()

@@ -203,10 +203,35 @@ def test_each_window_says_how_many_cores_the_workers_kept_busy_where_the_stream_
     batch = (torch.zeros(4, 3), torch.zeros(4))
     tuner = SplitTuner(GpuSplit(), first_id=lambda g: 4 * g, lookahead=6, say=lambda line: None)
     stream = data.Stream(iter([batch]), torch.zeros(1, dtype=torch.int64), pids=[os.getpid()], tuner=tuner)
-    assert tuner.cpu == stream.worker_cpu_s and tuner.cpu() > 0
+    first, again = tuner.cpu(), stream.worker_cpu_s()
+    assert 0 < first <= again <= data.process_cpu_s(os.getpid())  # this process's CPU seconds, read the same way
     tuner = SplitTuner(GpuSplit(), first_id=lambda g: 4 * g, lookahead=6, say=lambda line: None)
     data.Stream(iter([batch]), torch.zeros(1, dtype=torch.int64), tuner=tuner)
     assert tuner.cpu is None
+
+
+def test_a_stream_with_a_tuner_is_freed_when_the_trainer_drops_it():
+    """The tuner's reading of the workers' CPU refers to their pids, not to the stream: a tuner holding the
+    stream made a cycle that kept it, and its DataLoader workers, past the trainer's `del` (runs from JPEGs on
+    a card then exited 80 s after their last line). Freed by its reference count alone, with the garbage
+    collector off."""
+    import gc
+    import weakref
+
+    batch = (torch.zeros(4, 3), torch.zeros(4))
+    tuner = SplitTuner(GpuSplit(), first_id=lambda g: 4 * g, lookahead=6, say=lambda line: None)
+    stream = data.Stream(iter([batch]), torch.zeros(1, dtype=torch.int64), pids=[os.getpid()], tuner=tuner)
+    stream.watch_card(lambda: None)
+    gone = weakref.ref(stream)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        del stream
+        assert gone() is None
+    finally:
+        if was:
+            gc.enable()
+    assert tuner.cpu() > 0  # the tuner still reads the pids'
 
 
 def test_where_both_decoders_are_short_the_jpegs_are_shared_in_proportion_to_what_each_makes():
