@@ -1,5 +1,5 @@
 """Helpers the trainer's end-to-end tests share: a small CPU run through the real entry point, its final
-checkpoint, weights compared, a step waited for."""
+checkpoint, weights compared, a step waited for, processes waited out."""
 
 from __future__ import annotations
 
@@ -51,3 +51,23 @@ def wait_for_step(path: Path, step: int, proc: subprocess.Popen, timeout: float 
         assert proc.poll() is None, "trainer exited before the signal"
         time.sleep(0.05)
     raise AssertionError(f"step {step} not reached")
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie (/proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    """The processes of `pids` still running after up to `timeout` seconds ([] as soon as none is)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if running(p)]
+        if not alive:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if running(p)]

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _train_helpers import wait_gone
 from conftest import ROOT, job_cmd, requires_gpus
 
 from job import checkpoint as ckpt
@@ -83,24 +84,6 @@ def train(tmp: Path, run_id: str, *args: str, fault: str = "", **env) -> Job:
     extra = {"JOB_FAULT": fault} if fault else {}
     return Job(job_cmd("train", *SMALL, f"train.run_dir={tmp}", f"train.run_id={run_id}", *args),
                clean_env(**extra, **env))
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float) -> list[int]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if running(p)]
-        if not alive:
-            return []
-        time.sleep(0.1)
-    return [p for p in pids if running(p)]
 
 
 def checkpoints(tmp: Path, run_id: str) -> list[str]:

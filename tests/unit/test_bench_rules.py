@@ -10,7 +10,6 @@ import json
 import math
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +23,7 @@ except ImportError:  # pragma: no cover
     jsonschema = None
 
 from _bench_helpers import assert_png, validate
+from _train_helpers import wait_gone
 
 from job import bench
 from job.bench.process import error_line
@@ -563,17 +563,7 @@ def test_tenant_holds_memory_until_stopped():
     code = "import os\nfrom job.bench import Tenant\nprint(Tenant(0.05, 'cpu').start().pid, flush=True)\nos._exit(9)"
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     pid = int(p.stdout.split()[0])
-    deadline = time.monotonic() + 60
-    while _alive(pid):
-        assert time.monotonic() < deadline, f"tenant {pid} outlived the bench"
-        time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return "zombie" not in Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
+    assert wait_gone([pid], 60) == [], f"tenant {pid} outlived the bench"
 
 
 # -- imagefolder --------------------------------------------------------------------------------

@@ -561,6 +561,8 @@ def test_the_trainers_close_stops_its_training_streams_workers(tmp_path):
     """Trainer.close stops the training stream's DataLoader workers itself, whatever else still holds the
     stream: left to the stream's release, they outlived the run by 80 s on a card (16 workers, the stream held
     by a cycle). Closing again, and the stream's own release later, do nothing more."""
+    from _train_helpers import running, wait_gone
+
     from job import config, launch
     from job.train import Trainer
 
@@ -572,17 +574,7 @@ def test_the_trainers_close_stops_its_training_streams_workers(tmp_path):
     held = tr.batches  # as a cycle or a traceback would hold it
     next(held)
     assert isinstance(held, data.Stream) and len(held.pids) == 2
-
-    def alive(pid: int) -> bool:
-        try:
-            return open(f"/proc/{pid}/stat").read().split()[2] != "Z"
-        except OSError:
-            return False
-
-    assert all(alive(p) for p in held.pids)
+    assert all(running(p) for p in held.pids)
     tr.close()
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in held.pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(alive(p) for p in held.pids)
+    assert wait_gone(held.pids, 10) == []
     held.close()
