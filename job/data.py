@@ -998,6 +998,7 @@ def _through_slots(collate, move):
 # end of its step, checkpoints, and shuts them down (when it frees its loaders, or at exit: shutdown_workers);
 # a worker whose parent dies exits by itself (DataLoader's watchdog, within 5 s).
 WORKER_GRACE_S = 60.0  # a worker told to stop that nobody shuts down exits after this long
+WORKER_STOP_S = 5.0  # a worker still busy this long after its loader was shut down is killed
 _WITH_WORKERS: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -1067,15 +1068,60 @@ def shutdown_workers() -> None:
         _stop_workers(it)
 
 
-def _stop_workers(it) -> None:
-    """Stop one DataLoader iterator's workers (none: nothing to do)."""
+def _stop_workers(it, wait_s: float = WORKER_STOP_S) -> None:
+    """Stop one DataLoader iterator's workers (none: nothing to do), within `wait_s` seconds however busy they
+    are. torch's shutdown tells them all to stop, then waits up to 5 s for each in turn and SIGTERMs those
+    left, which here only starts their grace period: 4 workers each in the middle of a 30 s batch took 29 s
+    to stop, and 16 in slower batches could take 160 s (5 s for each, twice). Here its waits share one deadline, `wait_s` after the
+    shutdown began, and a worker still running then is killed (SIGKILL): a batch being made is not a promise
+    anyone keeps. Their pids leave torch's SIGCHLD watch first, so a kill is not reported as a worker that
+    died. (No thread keeps the deadline: Python 3.12 starts none at exit, where shutdown_workers runs.)"""
     shutdown = getattr(it, "_shutdown_workers", None)
     if shutdown is not None:
+        workers = list(getattr(it, "_workers", ()))
+        _forget_worker_pids(it)
+        deadline = time.monotonic() + wait_s
+        for w in workers:  # torch's shutdown joins each worker in turn, after it has told them all to stop
+            w.join = functools.partial(_join_or_kill, w, deadline)
         try:
             shutdown()
         except Exception as e:  # a worker already gone: nothing left to stop
             log.debug("data: shutting the workers down: %s", e)
+        _kill_running(workers)  # any that torch did not wait for (its shutdown does nothing once Python exits)
     _WITH_WORKERS.discard(it)
+
+
+def _join_or_kill(w, deadline: float, timeout: float | None = None) -> None:
+    """Worker `w`'s join in torch's shutdown: it waits until the deadline shared by all the loader's workers (not
+    `timeout`, torch's 5 s for each in turn), then kills `w` if it is still running."""
+    type(w).join(w, max(0.0, deadline - time.monotonic()))
+    _kill_running([w])
+
+
+def _forget_worker_pids(it) -> None:
+    """Take `it`'s workers out of the pids torch's SIGCHLD handler watches (as its shutdown does at its end), so
+    a worker killed by _stop_workers is not raised as "DataLoader worker ... is killed by signal"."""
+    if getattr(it, "_worker_pids_set", False):
+        from torch.utils.data._utils import signal_handling
+
+        signal_handling._remove_worker_pids(id(it))
+        it._worker_pids_set = False
+
+
+def _kill_running(workers) -> None:
+    """SIGKILL the worker processes that have not exited, and reap them. A process counts as exited once its
+    sentinel is ready, before it is reaped, so its pid cannot have been given to another process."""
+    import os
+    from multiprocessing.connection import wait
+
+    running = [w for w in workers if w.pid is not None and w.sentinel not in wait([w.sentinel], 0)]
+    for w in running:
+        try:
+            os.kill(w.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for w in running:
+        type(w).join(w, WORKER_STOP_S)
 
 
 atexit.register(shutdown_workers)  # registered after torch's exit hook, so it runs before it

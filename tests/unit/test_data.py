@@ -578,3 +578,65 @@ def test_the_trainers_close_stops_its_training_streams_workers(tmp_path):
     tr.close()
     assert wait_gone(held.pids, 10) == []
     held.close()
+
+
+BUSY_STOP = """
+import functools, json, sys, time
+import torch
+from torch.utils.data import DataLoader
+from job import data
+
+class Items(torch.utils.data.Dataset):
+    def __init__(self, slow_from):
+        self.slow_from = slow_from
+    def __len__(self):
+        return 64
+    def __getitem__(self, i):
+        if i >= self.slow_from:
+            time.sleep(30)  # a slow read (network storage, a heavy transform)
+        return torch.tensor([i])
+
+def start(slow_from):
+    loader = DataLoader(Items(slow_from), batch_size=1, num_workers=4, persistent_workers=True, prefetch_factor=2,
+                        worker_init_fn=functools.partial(data._worker_start, nice=0))
+    it = iter(loader)
+    data._WITH_WORKERS.add(it)
+    data._defer_worker_deaths()
+    assert [int(next(it)[0]) for _ in range(4)] == [0, 1, 2, 3]
+    time.sleep(1)  # each worker is now in its item from 8 on (slow), or idle with its prefetched ones made
+    return it
+
+def stop(slow_from):
+    it = start(slow_from)
+    workers = list(it._workers)
+    t = time.monotonic()
+    data._stop_workers(it)
+    took = time.monotonic() - t
+    data.dead_worker()  # raises a worker death the stream would report
+    return took, [w.exitcode for w in workers]
+
+idle_s, idle = stop(64)
+busy_s, busy = stop(8)
+left = start(8)  # busy workers left to the exit hook
+print(json.dumps({"idle_s": idle_s, "idle": idle, "busy_s": busy_s, "busy": busy, "at": time.time()}), flush=True)
+"""
+
+
+def test_busy_dataloader_workers_stop_within_seconds_and_let_the_process_exit():
+    """A trainer's close (or exit) with its DataLoader workers in the middle of slow batches: torch's shutdown
+    waited 5 s for each worker in turn, then its SIGTERM only started their 60 s grace: 4 workers in 30 s
+    batches took 29 s to stop (checked here). Now a worker still busy 5 s after the shutdown began is killed,
+    and that is not reported as a worker that died; idle workers still exit by themselves (code 0). Busy
+    workers still open when the process exits are stopped by the exit hook the same way."""
+    import json
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-c", BUSY_STOP], capture_output=True, text=True, timeout=180,
+                       cwd=Path(__file__).resolve().parents[2])
+    gone = time.time()
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout)
+    assert out["idle"] == [0, 0, 0, 0] and out["idle_s"] < 4, out
+    assert out["busy"] == [-9, -9, -9, -9] and 4.5 < out["busy_s"] < 15, out
+    assert gone - out["at"] < 12, out  # busy workers left open stop at exit the same way
