@@ -1069,33 +1069,34 @@ def shutdown_workers() -> None:
 
 
 def _stop_workers(it, wait_s: float = WORKER_STOP_S) -> None:
-    """Stop one DataLoader iterator's workers (none: nothing to do), within `wait_s` seconds however busy they
+    """Stop one DataLoader iterator's workers (none: nothing to do) within `wait_s` seconds however busy they
     are. torch's shutdown tells them all to stop, then waits up to 5 s for each in turn and SIGTERMs those
     left, which here only starts their grace period: 4 workers each in the middle of a 30 s batch took 29 s
-    to stop, and 16 in slower batches could take 160 s (5 s for each, twice). Here its waits share one deadline, `wait_s` after the
-    shutdown began, and a worker still running then is killed (SIGKILL): a batch being made is not a promise
-    anyone keeps. Their pids leave torch's SIGCHLD watch first, so a kill is not reported as a worker that
-    died. (No thread keeps the deadline: Python 3.12 starts none at exit, where shutdown_workers runs.)"""
+    to stop, and 16 in slower batches could take 160 s (5 s for each, twice). Here its waits share one
+    deadline, `wait_s` after the shutdown began; a worker still running then is killed (SIGKILL: a batch
+    being made is no promise anyone keeps) and reaped within WORKER_STOP_S more. Their pids leave torch's
+    SIGCHLD watch first, so a kill is not reported as a worker that died. (No thread keeps the deadline:
+    Python 3.12 starts none at exit, where shutdown_workers runs.)"""
     shutdown = getattr(it, "_shutdown_workers", None)
     if shutdown is not None:
         workers = list(getattr(it, "_workers", ()))
         _forget_worker_pids(it)
         deadline = time.monotonic() + wait_s
         for w in workers:  # torch's shutdown joins each worker in turn, after it has told them all to stop
-            w.join = functools.partial(_join_or_kill, w, deadline)
+            w.join = functools.partial(_join_or_kill, w, workers, deadline)
         try:
             shutdown()
         except Exception as e:  # a worker already gone: nothing left to stop
             log.debug("data: shutting the workers down: %s", e)
-        _kill_running(workers)  # any that torch did not wait for (its shutdown does nothing once Python exits)
+        _kill_running(workers, deadline)  # any torch did not wait for (its shutdown does nothing once Python exits)
     _WITH_WORKERS.discard(it)
 
 
-def _join_or_kill(w, deadline: float, timeout: float | None = None) -> None:
-    """Worker `w`'s join in torch's shutdown: it waits until the deadline shared by all the loader's workers (not
-    `timeout`, torch's 5 s for each in turn), then kills `w` if it is still running."""
+def _join_or_kill(w, workers, deadline: float, timeout: float | None = None) -> None:
+    """Worker `w`'s join in torch's shutdown: it waits until the deadline shared by all the loader's `workers`
+    (not `timeout`, torch's 5 s for each in turn), then kills those still running."""
     type(w).join(w, max(0.0, deadline - time.monotonic()))
-    _kill_running([w])
+    _kill_running(workers, deadline)
 
 
 def _forget_worker_pids(it) -> None:
@@ -1108,9 +1109,10 @@ def _forget_worker_pids(it) -> None:
         it._worker_pids_set = False
 
 
-def _kill_running(workers) -> None:
-    """SIGKILL the worker processes that have not exited, and reap them. A process counts as exited once its
-    sentinel is ready, before it is reaped, so its pid cannot have been given to another process."""
+def _kill_running(workers, deadline: float) -> None:
+    """SIGKILL the worker processes that have not exited, and reap them, waiting until WORKER_STOP_S after
+    `deadline` at most (a process in uninterruptible I/O dies when its read returns). A process counts as
+    exited once its sentinel is ready, before it is reaped, so its pid cannot have been given to another."""
     import os
     from multiprocessing.connection import wait
 
@@ -1121,7 +1123,7 @@ def _kill_running(workers) -> None:
         except (ProcessLookupError, PermissionError):
             pass
     for w in running:
-        type(w).join(w, WORKER_STOP_S)
+        type(w).join(w, max(0.0, deadline + WORKER_STOP_S - time.monotonic()))
 
 
 atexit.register(shutdown_workers)  # registered after torch's exit hook, so it runs before it
