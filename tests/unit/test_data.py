@@ -581,7 +581,7 @@ def test_the_trainers_close_stops_its_training_streams_workers(tmp_path):
 
 
 BUSY_STOP = """
-import functools, json, sys, time
+import functools, json, time
 import torch
 from torch.utils.data import DataLoader
 from job import data
@@ -625,7 +625,7 @@ print(json.dumps({"idle_s": idle_s, "idle": idle, "busy_s": busy_s, "busy": busy
 def test_busy_dataloader_workers_stop_within_seconds_and_let_the_process_exit():
     """A trainer's close (or exit) with its DataLoader workers in the middle of slow batches: torch's shutdown
     waited 5 s for each worker in turn, then its SIGTERM only started their 60 s grace: 4 workers in 30 s
-    batches took 29 s to stop (checked here). Now a worker still busy 5 s after the shutdown began is killed,
+    batches took 29 s to stop (this test against that code). Now a worker still busy 5 s after the shutdown began is killed,
     and that is not reported as a worker that died; idle workers still exit by themselves (code 0). Busy
     workers still open when the process exits are stopped by the exit hook the same way."""
     import json
