@@ -1088,15 +1088,18 @@ def _stop_workers(it, wait_s: float = WORKER_STOP_S) -> None:
             shutdown()
         except Exception as e:  # a worker already gone: nothing left to stop
             log.debug("data: shutting the workers down: %s", e)
-        _kill_running(workers, deadline)  # any torch did not wait for (its shutdown does nothing once Python exits)
+        for w in workers:  # any torch did not wait for (it raised, or does nothing once Python exits)
+            _join_or_kill(w, workers, deadline)
     _WITH_WORKERS.discard(it)
 
 
 def _join_or_kill(w, workers, deadline: float, timeout: float | None = None) -> None:
     """Worker `w`'s join in torch's shutdown: it waits until the deadline shared by all the loader's `workers`
-    (not `timeout`, torch's 5 s for each in turn), then kills those still running."""
+    (not `timeout`, torch's 5 s for each in turn); past it, every worker still running is killed. A worker
+    that exits before the deadline kills nobody: the others may still finish their batch in time."""
     type(w).join(w, max(0.0, deadline - time.monotonic()))
-    _kill_running(workers, deadline)
+    if time.monotonic() >= deadline:
+        _kill_running(workers, deadline)
 
 
 def _forget_worker_pids(it) -> None:

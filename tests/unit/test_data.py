@@ -587,27 +587,26 @@ from torch.utils.data import DataLoader
 from job import data
 
 class Items(torch.utils.data.Dataset):
-    def __init__(self, slow_from):
-        self.slow_from = slow_from
+    def __init__(self, sleeps):
+        self.sleeps = sleeps
     def __len__(self):
         return 64
     def __getitem__(self, i):
-        if i >= self.slow_from:
-            time.sleep(30)  # a slow read (network storage, a heavy transform)
+        time.sleep(self.sleeps.get(i, 0))  # a slow read (network storage, a heavy transform)
         return torch.tensor([i])
 
-def start(slow_from):
-    loader = DataLoader(Items(slow_from), batch_size=1, num_workers=4, persistent_workers=True, prefetch_factor=2,
+def start(sleeps):
+    loader = DataLoader(Items(sleeps), batch_size=1, num_workers=4, persistent_workers=True, prefetch_factor=2,
                         worker_init_fn=functools.partial(data._worker_start, nice=0))
     it = iter(loader)
     data._WITH_WORKERS.add(it)
     data._defer_worker_deaths()
     assert [int(next(it)[0]) for _ in range(4)] == [0, 1, 2, 3]
-    time.sleep(1)  # each worker is now in its item from 8 on (slow), or idle with its prefetched ones made
+    time.sleep(1)  # worker k is now in item 8 + k, or idle with its prefetched ones made
     return it
 
-def stop(slow_from):
-    it = start(slow_from)
+def stop(sleeps):
+    it = start(sleeps)
     workers = list(it._workers)
     t = time.monotonic()
     data._stop_workers(it)
@@ -615,15 +614,18 @@ def stop(slow_from):
     data.dead_worker()  # raises a worker death the stream would report
     return took, [w.exitcode for w in workers]
 
-idle_s, idle = stop(64)
-busy_s, busy = stop(8)
-left = start(8)  # busy workers left to the exit hook
+SLOW = {8: 30, 9: 30, 10: 30, 11: 30}
+idle_s, idle = stop({})
+busy_s, busy = stop(SLOW)
+mixed_s, mixed = stop({9: 3, 10: 30, 11: 30})  # worker 0 idle, 1 done 2 s into the stop, 2 and 3 not in time
+left = start(SLOW)  # busy workers left to the exit hook
 
 def no_thread(self):  # what Python 3.12 says to a thread started in an exit hook
     raise RuntimeError("can't create new thread at interpreter shutdown")
 
 threading.Thread.start = no_thread
-print(json.dumps({"idle_s": idle_s, "idle": idle, "busy_s": busy_s, "busy": busy, "at": time.time()}), flush=True)
+print(json.dumps({"idle_s": idle_s, "idle": idle, "busy_s": busy_s, "busy": busy, "mixed_s": mixed_s,
+                  "mixed": mixed, "at": time.time()}), flush=True)
 """
 
 
@@ -631,7 +633,8 @@ def test_busy_dataloader_workers_stop_within_seconds_and_let_the_process_exit():
     """A trainer's close (or exit) with its DataLoader workers in the middle of slow batches: torch's shutdown
     waited 5 s for each worker in turn, then its SIGTERM only started their 60 s grace: 4 workers in 30 s
     batches took 29 s to stop (this test against that code). Now a worker still busy 5 s after the shutdown began is killed,
-    and that is not reported as a worker that died; idle workers still exit by themselves (code 0). Busy
+    and that is not reported as a worker that died; idle workers, and those whose batch ends before then,
+    still exit by themselves (code 0). Busy
     workers still open when the process exits are stopped by the exit hook the same way, starting no thread
     (Python 3.12 refuses one there: the script makes 3.11 refuse it too)."""
     import json
@@ -645,4 +648,5 @@ def test_busy_dataloader_workers_stop_within_seconds_and_let_the_process_exit():
     out = json.loads(p.stdout)
     assert out["idle"] == [0, 0, 0, 0] and out["idle_s"] < 4, out
     assert out["busy"] == [-9, -9, -9, -9] and 4.5 < out["busy_s"] < 15, out
+    assert out["mixed"] == [0, 0, -9, -9] and 4.5 < out["mixed_s"] < 15, out  # no kill before the deadline
     assert gone - out["at"] < 12, out  # busy workers left open stop at exit the same way
