@@ -1068,12 +1068,12 @@ def shutdown_workers() -> None:
         _stop_workers(it)
 
 
-def _stop_workers(it, wait_s: float = WORKER_STOP_S) -> None:
-    """Stop one DataLoader iterator's workers (none: nothing to do) within `wait_s` seconds however busy they
-    are. torch's shutdown tells them all to stop, then waits up to 5 s for each in turn and SIGTERMs those
+def _stop_workers(it) -> None:
+    """Stop one DataLoader iterator's workers (none: nothing to do) within WORKER_STOP_S seconds however busy
+    they are. torch's shutdown tells them all to stop, then waits up to 5 s for each in turn and SIGTERMs those
     left, which here only starts their grace period: 4 workers each in the middle of a 30 s batch took 29 s
     to stop, and 16 in slower batches could take 160 s (5 s for each, twice). Here its waits share one
-    deadline, `wait_s` after the shutdown began; a worker still running then is killed (SIGKILL: a batch
+    deadline, WORKER_STOP_S after the shutdown began; a worker still running then is killed (SIGKILL: a batch
     being made is no promise anyone keeps) and reaped within WORKER_STOP_S more. Their pids leave torch's
     SIGCHLD watch first, so a kill is not reported as a worker that died. (No thread keeps the deadline:
     Python 3.12 starts none at exit, where shutdown_workers runs.)"""
@@ -1081,7 +1081,7 @@ def _stop_workers(it, wait_s: float = WORKER_STOP_S) -> None:
     if shutdown is not None:
         workers = list(getattr(it, "_workers", ()))
         _forget_worker_pids(it)
-        deadline = time.monotonic() + wait_s
+        deadline = time.monotonic() + WORKER_STOP_S
         for w in workers:  # torch's shutdown joins each worker in turn, after it has told them all to stop
             w.join = functools.partial(_join_or_kill, w, workers, deadline)
         try:
@@ -1113,19 +1113,12 @@ def _forget_worker_pids(it) -> None:
 
 
 def _kill_running(workers, deadline: float) -> None:
-    """SIGKILL the worker processes that have not exited, and reap them, waiting until WORKER_STOP_S after
-    `deadline` at most (a process in uninterruptible I/O dies when its read returns). A process counts as
-    exited once its sentinel is ready, before it is reaped, so its pid cannot have been given to another."""
-    import os
-    from multiprocessing.connection import wait
-
-    running = [w for w in workers if w.pid is not None and w.sentinel not in wait([w.sentinel], 0)]
-    for w in running:
-        try:
-            os.kill(w.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-    for w in running:
+    """SIGKILL the worker processes not reaped yet (Process.kill leaves a reaped one alone, whose pid may be
+    another process's by now; one that exited keeps its exit code), and reap them, waiting until WORKER_STOP_S
+    after `deadline` at most (a process in uninterruptible I/O dies when its read returns)."""
+    for w in workers:
+        w.kill()
+    for w in workers:
         type(w).join(w, max(0.0, deadline + WORKER_STOP_S - time.monotonic()))
 
 

@@ -632,11 +632,11 @@ print(json.dumps({"idle_s": idle_s, "idle": idle, "busy_s": busy_s, "busy": busy
 def test_busy_dataloader_workers_stop_within_seconds_and_let_the_process_exit():
     """A trainer's close (or exit) with its DataLoader workers in the middle of slow batches: torch's shutdown
     waited 5 s for each worker in turn, then its SIGTERM only started their 60 s grace: 4 workers in 30 s
-    batches took 29 s to stop (this test against that code). Now a worker still busy 5 s after the shutdown began is killed,
-    and that is not reported as a worker that died; idle workers, and those whose batch ends before then,
-    still exit by themselves (code 0). Busy
-    workers still open when the process exits are stopped by the exit hook the same way, starting no thread
-    (Python 3.12 refuses one there: the script makes 3.11 refuse it too)."""
+    batches took 29 s to stop (this test against that code). Now a worker still busy 5 s after the shutdown
+    began is killed, and that is not reported as a worker that died; idle workers, and those whose batch ends
+    before then, still exit by themselves (code 0). Busy workers still open when the process exits are
+    stopped by the exit hook the same way, starting no thread (Python 3.12 refuses one there: the script
+    makes 3.11 refuse it too)."""
     import json
     import subprocess
     import sys
