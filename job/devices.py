@@ -359,18 +359,37 @@ def _visible_cards(nvml, cuda) -> list[Card]:
 _handles: dict[tuple[int, str], Any] = {}
 
 
+def _handle(nv, card: Card):
+    """NVML's handle of the card, looked up once per NVML module."""
+    key = (id(nv), card.uuid)
+    h = _handles.get(key)
+    if h is None:
+        h = _handles[key] = nv.nvmlDeviceGetHandleByUUID(card.uuid)
+    return h
+
+
 def card_memory(card: Card, *, nvml=None) -> tuple[int, int] | None:
     """(used, total) bytes of the card as NVML sees them (all processes); None if NVML cannot answer."""
     try:
         nv = nvml_or_default(nvml)
         if nv is None:
             return None
-        key = (id(nv), card.uuid)
-        h = _handles.get(key)
-        if h is None:
-            h = _handles[key] = nv.nvmlDeviceGetHandleByUUID(card.uuid)
-        mem = nv.nvmlDeviceGetMemoryInfo(h)
+        mem = nv.nvmlDeviceGetMemoryInfo(_handle(nv, card))
         return int(mem.used), int(mem.total)
+    except Exception:
+        return None
+
+
+def card_power_capped_s(card: Card, *, nvml=None) -> float | None:
+    """Seconds, since the driver started counting, that the card ran below the clocks asked of it because of its
+    power limit (NVML's violation time for the power policy: a running count, so the share of a window is its
+    growth over the window's length); None where NVML cannot answer (no NVML, a MIG instance, a card or driver
+    that does not keep the count)."""
+    try:
+        nv = nvml_or_default(nvml)
+        if nv is None:
+            return None
+        return int(nv.nvmlDeviceGetViolationStatus(_handle(nv, card), nv.NVML_PERF_POLICY_POWER).violationTime) / 1e9
     except Exception:
         return None
 

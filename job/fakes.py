@@ -41,6 +41,8 @@ class FakeCard:
     """What nvmlDeviceGetComputeRunningProcesses lists on the card."""
     fail: set[str] = field(default_factory=set)
     """Names of NVML calls that fail for this card, e.g. {"nvmlDeviceGetMemoryInfo"}."""
+    power_capped_ns: int = 0
+    """NVML's violation time for the power policy: how long the card ran below its clocks for its power limit."""
 
 
 @dataclass
@@ -51,6 +53,8 @@ class _Struct:
     free: int = 0
     gpu: int = 0
     memory: int = 0
+    referenceTime: int = 0
+    violationTime: int = 0
 
 
 class FakeNvml:
@@ -60,6 +64,7 @@ class FakeNvml:
     """
 
     NVMLError = FakeNvmlError
+    NVML_PERF_POLICY_POWER = 0
 
     def __init__(self, cards: list[FakeCard], *, init_error: bool = False):
         self.cards = cards
@@ -125,6 +130,12 @@ class FakeNvml:
     def nvmlDeviceGetMemoryInfo(self, handle, version=None):
         self._check("nvmlDeviceGetMemoryInfo", handle)
         return _Struct(used=handle.used, total=handle.total, free=handle.total - handle.used)
+
+    def nvmlDeviceGetViolationStatus(self, device, perfPolicyType):
+        self._check("nvmlDeviceGetViolationStatus", device)
+        if perfPolicyType != self.NVML_PERF_POLICY_POWER:
+            raise FakeNvmlError("NVML_ERROR_NOT_SUPPORTED")
+        return _Struct(violationTime=device.power_capped_ns)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle):
         self._check("nvmlDeviceGetComputeRunningProcesses", handle)

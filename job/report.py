@@ -50,6 +50,8 @@ def card_rows(devices: list[torch.device], *, rank: int, plan_cards=None) -> lis
             "peak_reserved_bytes": reserved,
             "nvml_used_bytes": mem[0] if mem else None,
             "nvml_total_bytes": mem[1] if mem else None,
+            # the card held below its clocks by its power limit, seconds so far (a running count; None: not kept)
+            "power_capped_s": devmod.card_power_capped_s(card) if card is not None else None,
             "planned_samples": plan.samples if plan else None,
             "predicted_peak_bytes": plan.predicted_peak if plan else None,
             "headroom_bytes": breakdown.cap_headroom(

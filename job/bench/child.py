@@ -147,6 +147,22 @@ def card_idle(records: list[dict], *, warmup: int, total: int) -> float | None:
     return idle_share(mark(a), mark(b), steps=total - warmup, seconds=float(b["time"]) - float(a["time"]))
 
 
+def card_power_capped(records: list[dict], *, warmup: int, total: int) -> float | None:
+    """The largest share of the same records' window that one of the run's cards ran below its clocks for its
+    power limit, from each card's running count (`cards[].power_capped_s`: NVML's violation time); None where a
+    card has no count (off a GPU, a driver or card that does not keep it). The most capped card: in a step the
+    ranks synchronise, the slowest card sets everyone's pace."""
+    a, b = _edges(records, warmup, total)
+    if a is None or b is None:
+        return None
+    count = lambda r: {(c["rank"], c["device"]): c.get("power_capped_s") for c in r.get("cards") or []}  # noqa: E731
+    before, after = count(a), count(b)
+    dt = float(b["time"]) - float(a["time"])
+    if not after or before.keys() != after.keys() or None in (*before.values(), *after.values()) or dt <= 0:
+        return None
+    return max((after[k] - before[k]) / dt for k in after)
+
+
 class _Scraper(threading.Thread):
     """Scrapes a /metrics URL every `interval` seconds, as Prometheus would, while a run trains."""
 
@@ -346,6 +362,7 @@ class Runs:
             "input_auto_settled_step": summary.get("data_auto_settled_step"),  # every later step trained with it
             "host_thread_on_core": ran, "host_thread_waited": waited,
             "card_idle": card_idle(records, warmup=warmup, total=total),
+            "card_power_capped": card_power_capped(records, warmup=warmup, total=total),
             "imbalance": summary.get("imbalance"), "cards": cards, "peak_window": window,
             "params": summary.get("params"),
         })

@@ -11,14 +11,15 @@ from typing import Any
 
 from job.breakdown import KINDS
 
-SCHEMA_ID = "trainjob-bench/15"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
+SCHEMA_ID = "trainjob-bench/16"  # 3: each card's memory by kind (cards[].kinds); 4: tokens and reference rows;
 # 5: comparisons[].paired; 6: runs' trained_samples_per_s and input_samples_per_s (samples_per_s: the lower);
 # 7: runs' input_worker_cores, the environment's cpu_cores (physical cores); 8: settings.imagefolder_variants;
 # 9: runs' input_gpu_share (data.decode=auto's choice); 10: comparisons[].paired_step_ms; 11: the environment's
 # cpus (the CPUs the bench may use); 12: runs' input_auto_settled_step, settings.auto_settle; 13:
 # settings.imagefolder_short_side, the imagefolder's short_side; 14: runs' host_thread_on_core and
 # host_thread_waited (the training thread's scheduling over the timed steps); 15: runs' card_idle (the card
-# with nothing to run between steps)
+# with nothing to run between steps); 16: runs' card_power_capped (the card held below its clocks by its power
+# limit)
 # Runs whose numbers are compared across repeats (one table row each).
 COMPARED = ("baseline", "reference", "strategy", "imagefolder", "tokens")
 DATA = ("synthetic", "imagefolder", "tokens")
@@ -78,6 +79,7 @@ RUN_SCHEMA = _obj({
     "host_thread_on_core": _nullable(_NUM),
     "host_thread_waited": _nullable(_NUM),
     "card_idle": _nullable(_NUM),
+    "card_power_capped": _nullable(_NUM),
     "imbalance": _nullable(_NUM),
     "scaling_vs_1": _nullable(_NUM),
     "scaling_note": _nullable(_STR),
@@ -207,7 +209,7 @@ def empty_run(name: str, kind: str, strategy: str, *, repeat: int = 1, data: str
             "batch_size": None, "world_size": None, "units": None, "timed_steps": None,
             "samples_per_s": None, "units_per_s": None, "step_s": None, "trainer_samples_per_s": None,
             "trained_samples_per_s": None, "input_samples_per_s": None, "input_worker_cores": None, "input_gpu_share": None,
-            "input_auto_settled_step": None, "host_thread_on_core": None, "host_thread_waited": None, "card_idle": None, "imbalance": None, "scaling_vs_1": None, "scaling_note": None, "peak_window": None, "window_note": None, "cards": [], "scrapes_ok": None,
+            "input_auto_settled_step": None, "host_thread_on_core": None, "host_thread_waited": None, "card_idle": None, "card_power_capped": None, "imbalance": None, "scaling_vs_1": None, "scaling_note": None, "peak_window": None, "window_note": None, "cards": [], "scrapes_ok": None,
             "scrapes_failed": None, "params": None}
 
 

@@ -90,6 +90,7 @@ def table(doc: dict, w: dict) -> str:
     lines += _input_lines(w, unit)
     lines += _host_lines(w)
     lines += _card_lines(w)
+    lines += _power_lines(w)
     if w.get("imagefolder"):
         i = w["imagefolder"]
         side = f", resized to a short side of {i['short_side']} px" if i.get("short_side") else ""
@@ -234,6 +235,28 @@ def _card_lines(w: dict) -> list[str]:
         return []
     return (["the card had nothing to run between steps (CUDA events on the training stream), medians over the "
              "timed steps:"] + [f"  {name}: {m:.1%} ({lo:.1%}-{hi:.1%})" for name, (m, lo, hi) in shares.items()])
+
+
+POWER_CAPPED_SHOWN = 0.01  # a run whose card was held below its clocks by its power limit this share of its timed steps
+
+
+def _power_lines(w: dict) -> list[str]:
+    """Where one run's card was held below its clocks by its power limit POWER_CAPPED_SHOWN of its timed steps or
+    more, every row's share (median and range over its repeats): such a run's rate is partly the card's power
+    budget's, not the trainer's or its input's, and a repeat much slower than its others may be that."""
+    import statistics
+
+    shares = {}
+    for name in dict.fromkeys(r["name"] for r in w["runs"]):
+        each = [r["card_power_capped"] for r in w["runs"]
+                if r["name"] == name and r["status"] == "ok" and r.get("card_power_capped") is not None]
+        if each:
+            shares[name] = (statistics.median(each), min(each), max(each))
+    if not any(hi >= POWER_CAPPED_SHOWN for _, _, hi in shares.values()):
+        return []
+    return (["the card ran below its clocks for its power limit (NVML's violation time; the most capped card), "
+             "medians over the timed steps:"] + [f"  {name}: {m:.1%} ({lo:.1%}-{hi:.1%})"
+                                                for name, (m, lo, hi) in shares.items()])
 
 
 def _kinds_table(rows: list[dict]) -> list[str]:

@@ -79,6 +79,7 @@ def test_bench_tiny_end_to_end(tmp_path):
         assert r["samples_per_s"] > 0 and r["trainer_samples_per_s"] > 0 and r["timed_steps"] == 6
         assert abs(r["step_s"] * r["samples_per_s"] - r["batch_size"]) < 1e-6
         assert r["cards"] == [] and r["imbalance"] is None  # CPU: no per-card memory
+        assert r["card_idle"] is None and r["card_power_capped"] is None  # nor a card's idle or power-capped time
         # The same window for every strategy: peaks were reset when the clock started (after warm-up).
         assert r["peak_window"] == [2, 8] and r["window_note"] is None, r
         cmd = r["command"]

@@ -277,7 +277,8 @@ def test_the_training_streams_pinned_slots_give_the_default_hand_overs_batches(t
 def test_the_card_idles_between_steps_where_the_input_is_late_and_not_where_it_keeps_up(tmp_path):
     """CardGaps on a card: ResNet-50 from JPEGs that the training thread decodes itself (data.workers=0) leaves
     the card idle between steps most of the time, about as much as the loop waited; on synthetic data the host
-    runs ahead of the card, which hardly idles. The input line says which."""
+    runs ahead of the card, which hardly idles. The input line says which. Every logged step's card row carries
+    the card's running count of seconds held below its clocks by its power limit, where NVML keeps one."""
     folder = image_folder(tmp_path / "imgs", 200, seed=4)
     common = ("workload=resnet50", "strategy=ddp", "strategy.nprocs=1", "workload.num_classes=10",
               "train.batch_size=128", "train.steps=40", "train.timing_warmup=10", "train.log_every=10",
@@ -293,6 +294,15 @@ def test_the_card_idles_between_steps_where_the_input_is_late_and_not_where_it_k
         s[name]["stderr"] = p.stderr
         lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert all(r["card_gaps"] <= r["step"] for r in lines)
+        # each card's seconds held below its clocks by its power limit, as NVML answers this process after the run
+        from job import devices
+
+        after = devices.card_power_capped_s(devices.visible_cards()[0])
+        capped = [r["cards"][0]["power_capped_s"] for r in lines]
+        if after is None:  # a card or driver that does not keep the count: no figure pretends one
+            assert capped == [None] * len(lines), capped
+        else:
+            assert all(c is not None and 0 <= c <= after for c in capped) and capped == sorted(capped), (capped, after)
         print(f"{name}: loop waited {s[name]['data_wait']:.1%}, card idle between steps "
               f"{s[name]['card_idle_between_steps']:.1%}")
     files, synthetic = s["files"], s["synthetic"]

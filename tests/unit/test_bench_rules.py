@@ -237,6 +237,35 @@ def test_the_cards_idle_share_is_its_mean_gap_over_every_step_of_the_window():
     assert _card_lines({"runs": w["runs"][:2]}) == []
 
 
+def test_the_power_capped_share_is_the_most_capped_cards_count_over_the_window():
+    """Each card's running count of seconds held below its clocks by its power limit (cards[].power_capped_s) at
+    the window's edges, over 4 s: card 1 gained 0.6 s (15 %), card 0 0.2 s; the run's share is the most capped
+    card's. A card without the count (or no card) gives None. The table lists every row's share once one run's
+    card was capped 1 % or more, so a slow repeat shows beside its others."""
+    from job.bench.child import card_power_capped
+    from job.bench.table import _power_lines
+
+    def rec(step, t, *capped):
+        return {"step": step, "time": t,
+                "cards": [{"rank": i, "device": f"cuda:{i}", "power_capped_s": c} for i, c in enumerate(capped)]}
+
+    recs = [rec(10, 100.0, 3.0, 7.0), rec(20, 104.0, 3.2, 7.6)]
+    assert card_power_capped(recs, warmup=10, total=20) == pytest.approx(0.15)
+    assert card_power_capped([rec(10, 100.0, 3.0, None), rec(20, 104.0, 3.2, None)], warmup=10, total=20) is None
+    assert card_power_capped([rec(10, 100.0), rec(20, 104.0)], warmup=10, total=20) is None  # the CPU: no cards
+    assert card_power_capped(recs, warmup=12, total=20) is None  # no record at step 12
+
+    def run(name, capped, repeat):
+        return {**_run(name, "strategy", "ddp", [], 1, 3000.0, repeat=repeat), "card_power_capped": capped}
+
+    w = {"runs": [run("ddp", 0.0, 1), run("ddp", 0.002, 2), run("ddp+imagefolder", 0.0, 1),
+                  run("ddp+imagefolder", 0.09, 2), run("ddp+imagefolder", 0.001, 3), run("loop", None, 1)]}
+    assert _power_lines(w) == ["the card ran below its clocks for its power limit (NVML's violation time; the most "
+                               "capped card), medians over the timed steps:", "  ddp: 0.1% (0.0%-0.2%)",
+                               "  ddp+imagefolder: 0.1% (0.0%-9.0%)"]
+    assert _power_lines({"runs": w["runs"][:2]}) == []
+
+
 @pytest.mark.parametrize("log, line", [
     ("step 1\nerror: ddp: micro-batch 15 is not a multiple of 2 ranks\n", "ddp: micro-batch 15 is not a multiple of 2 ranks"),
     ("Traceback (most recent call last):\n  File x\ntorch.OutOfMemoryError: CUDA out of memory. Tried\n",
@@ -273,6 +302,7 @@ def _run(name, kind, strategy, cards, world, sps, *, repeat=1, status="ok", reas
          "step_s": 16 / sps if sps else None, "trainer_samples_per_s": sps, "trained_samples_per_s": sps,
          "input_samples_per_s": None, "input_worker_cores": None, "input_gpu_share": None,
          "input_auto_settled_step": None, "host_thread_on_core": None, "host_thread_waited": None, "card_idle": None,
+         "card_power_capped": None,
          "imbalance": None, "scaling_vs_1": None,
          "scaling_note": None, "peak_window": list(window) if status == "ok" else None, "window_note": None,
          "cards": cards, "scrapes_ok": None, "scrapes_failed": None, "params": None}

@@ -225,6 +225,21 @@ def test_card_memory(scrambled):
         assert devices.card_memory(card) is None  # real pynvml, no driver: None, not an exception
 
 
+def test_card_power_capped_seconds(scrambled):
+    """NVML's violation time for the power policy (nanoseconds, a running count) in seconds; None where the card
+    or driver does not keep it, for a card NVML does not know, and without a driver."""
+    scrambled.cards[1].power_capped_ns = 2_500_000_000
+    card = devices.Card(0, B, "00000000:18:00.0", 1, "NVIDIA H200")
+    assert devices.card_power_capped_s(card, nvml=scrambled) == 2.5
+    scrambled.cards[1].fail.add("nvmlDeviceGetViolationStatus")  # NVML_ERROR_NOT_SUPPORTED on such a card
+    assert devices.card_power_capped_s(card, nvml=scrambled) is None
+    assert devices.card_memory(card, nvml=scrambled) is not None  # the memory still answers
+    ghost = devices.Card(0, "GPU-00000000-dead-beef-0000-000000000000", "00000000:99:00.0", None, "x")
+    assert devices.card_power_capped_s(ghost, nvml=scrambled) is None
+    if devices.default_nvml() is None:
+        assert devices.card_power_capped_s(card) is None
+
+
 def test_fake_nvml_matches_pynvml():
     """Every NVML call the fake answers exists in the real pynvml with the same parameters."""
     names = [n for n in vars(FakeNvml) if n.startswith("nvml")]
@@ -240,6 +255,8 @@ def test_fake_nvml_matches_pynvml():
     assert {"busId"} <= {f[0] for f in pynvml.nvmlPciInfo_t._fields_}
     assert {"used", "total", "free"} <= {f[0] for f in pynvml.c_nvmlMemory_t._fields_}
     assert {"gpu"} <= {f[0] for f in pynvml.c_nvmlUtilization_t._fields_}
+    assert {"violationTime"} <= {f[0] for f in pynvml.c_nvmlViolationTime_t._fields_}
+    assert FakeNvml.NVML_PERF_POLICY_POWER == pynvml.NVML_PERF_POLICY_POWER
     # job.breakdown reads the running-process list's entries (FakeProcess has the same attributes)
     assert {"pid", "usedGpuMemory"} <= {f[0] for f in pynvml.c_nvmlProcessInfo_t._fields_}
 
