@@ -216,6 +216,23 @@ def _host_lines(w: dict) -> list[str]:
              "medians over the timed steps:"] + lines) if lines else []
 
 
+def _shares(w: dict, key: str) -> dict[str, tuple[float, float, float]]:
+    """Each row's (median, lowest, highest) of the runs' `key` over its repeats that ran and measured it."""
+    import statistics
+
+    shares = {}
+    for name in dict.fromkeys(r["name"] for r in w["runs"]):
+        each = [r[key] for r in w["runs"] if r["name"] == name and r["status"] == "ok" and r.get(key) is not None]
+        if each:
+            shares[name] = (statistics.median(each), min(each), max(each))
+    return shares
+
+
+def _share_lines(what: str, shares: dict[str, tuple[float, float, float]]) -> list[str]:
+    return [f"{what}, medians over the timed steps:"] + [f"  {name}: {m:.1%} ({lo:.1%}-{hi:.1%})"
+                                                         for name, (m, lo, hi) in shares.items()]
+
+
 CARD_IDLE_SHOWN = 0.02  # a row whose card idled between steps this share of its timed steps lists every row's
 
 
@@ -223,18 +240,10 @@ def _card_lines(w: dict) -> list[str]:
     """Where one row's card had nothing to run between steps CARD_IDLE_SHOWN of its timed steps or more (medians),
     every row's share, so the rows whose input kept the card busy stand beside it: a loop that waited for data
     while its card stayed busy lost nothing to the wait."""
-    import statistics
-
-    shares = {}
-    for name in dict.fromkeys(r["name"] for r in w["runs"]):
-        each = [r["card_idle"] for r in w["runs"]
-                if r["name"] == name and r["status"] == "ok" and r.get("card_idle") is not None]
-        if each:
-            shares[name] = (statistics.median(each), min(each), max(each))
+    shares = _shares(w, "card_idle")
     if not any(m >= CARD_IDLE_SHOWN for m, _, _ in shares.values()):
         return []
-    return (["the card had nothing to run between steps (CUDA events on the training stream), medians over the "
-             "timed steps:"] + [f"  {name}: {m:.1%} ({lo:.1%}-{hi:.1%})" for name, (m, lo, hi) in shares.items()])
+    return _share_lines("the card had nothing to run between steps (CUDA events on the training stream)", shares)
 
 
 POWER_CAPPED_SHOWN = 0.01  # a run whose card was held below its clocks by its power limit this share of its timed steps
@@ -244,19 +253,11 @@ def _power_lines(w: dict) -> list[str]:
     """Where one run's card was held below its clocks by its power limit POWER_CAPPED_SHOWN of its timed steps or
     more, every row's share (median and range over its repeats): such a run's rate is partly the card's power
     budget's, not the trainer's or its input's, and a repeat much slower than its others may be that."""
-    import statistics
-
-    shares = {}
-    for name in dict.fromkeys(r["name"] for r in w["runs"]):
-        each = [r["card_power_capped"] for r in w["runs"]
-                if r["name"] == name and r["status"] == "ok" and r.get("card_power_capped") is not None]
-        if each:
-            shares[name] = (statistics.median(each), min(each), max(each))
+    shares = _shares(w, "card_power_capped")
     if not any(hi >= POWER_CAPPED_SHOWN for _, _, hi in shares.values()):
         return []
-    return (["the card ran below its clocks for its power limit (NVML's violation time; the most capped card), "
-             "medians over the timed steps:"] + [f"  {name}: {m:.1%} ({lo:.1%}-{hi:.1%})"
-                                                for name, (m, lo, hi) in shares.items()])
+    return _share_lines("the card ran below its clocks for its power limit (NVML's violation time; the most capped "
+                        "card)", shares)
 
 
 def _kinds_table(rows: list[dict]) -> list[str]:
