@@ -200,18 +200,9 @@ HOST_WAIT_SHOWN = 0.02  # a row whose training thread waited for a core this sha
 def _host_lines(w: dict) -> list[str]:
     """Rows whose training thread (rank 0's) was ready to run but waited for a core in the timed steps (medians):
     the host's other work, not the model, set part of their pace."""
-    import statistics
-
-    lines = []
-    for name in dict.fromkeys(r["name"] for r in w["runs"]):
-        ok = [r for r in w["runs"] if r["name"] == name and r["status"] == "ok" and r.get("host_thread_waited") is not None]
-        if not ok:
-            continue
-        waited = statistics.median(r["host_thread_waited"] for r in ok)
-        if waited >= HOST_WAIT_SHOWN:
-            each = [r["host_thread_waited"] for r in ok]
-            ran = statistics.median(r["host_thread_on_core"] for r in ok)
-            lines.append(f"  {name}: waited {waited:.1%} ({min(each):.1%}-{max(each):.1%}), ran {ran:.1%}")
+    ran = _shares(w, "host_thread_on_core")  # measured with the wait, in the same runs (child.host_thread)
+    lines = [f"  {name}: waited {waited:.1%} ({lo:.1%}-{hi:.1%}), ran {ran[name][0]:.1%}"
+             for name, (waited, lo, hi) in _shares(w, "host_thread_waited").items() if waited >= HOST_WAIT_SHOWN]
     return (["the training thread waited for a free core (ready to run, not running; /proc's scheduler statistics), "
              "medians over the timed steps:"] + lines) if lines else []
 

@@ -14,6 +14,7 @@ import torch
 from _images_helpers import batch, make_folder
 from conftest import ROOT, job_cmd, requires_gpus
 
+from job import devices
 from job.bench.imagefolder import image_folder
 from job.datasets import STD, BadImage, ImageFolder, SampleIndex
 
@@ -295,8 +296,6 @@ def test_the_card_idles_between_steps_where_the_input_is_late_and_not_where_it_k
         lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert all(r["card_gaps"] <= r["step"] for r in lines)
         # each card's seconds held below its clocks by its power limit, as NVML answers this process after the run
-        from job import devices
-
         after = devices.card_power_capped_s(devices.visible_cards()[0])
         capped = [r["cards"][0]["power_capped_s"] for r in lines]
         if after is None:  # a card or driver that does not keep the count: no figure pretends one
